@@ -1,0 +1,56 @@
+# Capsule Networks, Derived and Reproduced
+#   make book       execute every chapter at this machine's profile, build _build/html
+#   make test       unit tests, every notebook under nbval at the ci profile, strict book build
+#   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NOTEBOOKS := $(sort $(wildcard book/[0-9]*.ipynb)) book/scoreboard.ipynb
+
+.PHONY: book test unit notebooks build-strict reproduce data clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+book: $(STAMP)
+	@for nb in $(NOTEBOOKS); do \
+	  start=$$(date +%s); \
+	  $(PY) -m jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 "$$nb" || exit 1; \
+	  echo "executed $$nb in $$(( $$(date +%s) - start )) s"; \
+	done
+	$(VENV)/bin/jupyter-book build . --builder html
+	@echo "book: _build/html/index.html"
+
+test: unit notebooks build-strict
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests
+
+notebooks: $(STAMP)
+	@for nb in $(NOTEBOOKS); do \
+	  start=$$(date +%s); \
+	  CAPSBOOK_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+	    --nbval-cell-timeout=900 "$$nb" || exit 1; \
+	  echo "nbval $$nb: $$(( $$(date +%s) - start )) s"; \
+	done
+
+build-strict: $(STAMP)
+	$(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going
+
+reproduce: $(STAMP)
+	CAPSBOOK_PROFILE=full $(MAKE) book
+
+data: $(STAMP)
+	$(PY) -m capslib.data fetch mnist
+
+clean:
+	rm -rf _build

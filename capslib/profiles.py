@@ -1,0 +1,51 @@
+"""One switch for scale: ``CAPSBOOK_PROFILE=ci|full``.
+
+``ci`` runs on two CPU cores with the embedded 5,000 MNIST digits, each chapter
+in well under two minutes; ``full`` is the paper's architecture and schedule on
+the full dataset, on a GPU. The default is ``full`` when CUDA is available and
+``ci`` otherwise. Every experiment reads its sizes from :func:`settings`.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+PROFILES = ("ci", "full")
+
+# Per-chapter sizes. Each chapter owns its block; keys are the experiment's knobs.
+SIZES: dict[str, dict[str, dict]] = {
+    # Chapter 2: CapsNet of Sabour et al. (Sec. 4). `full` is the paper's network.
+    "02_dynamic_routing": {
+        "ci": dict(dataset="embedded", conv_channels=64, primary_types=8, primary_dim=8, digit_dim=16,
+                   decoder=(256, 512), iterations=3, epochs=8, batch_size=32, lr=1e-3, lr_decay=0.96,
+                   expanded_epochs=6, affine_train_subset=4000),
+        "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
+                     decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,
+                     expanded_epochs=30, affine_train_subset=None),
+    },
+}
+
+
+def current() -> str:
+    """The active profile name: ``$CAPSBOOK_PROFILE`` or the machine's default."""
+    name = os.environ.get("CAPSBOOK_PROFILE", "").strip().lower()
+    if not name:
+        return "full" if torch.cuda.is_available() else "ci"
+    if name not in PROFILES:
+        raise ValueError(f"CAPSBOOK_PROFILE must be one of {PROFILES}; got {name!r}")
+    return name
+
+
+def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
+    """Sizes of ``chapter``'s experiments at ``profile`` (default: :func:`current`)."""
+    profile = profile or current()
+    if chapter not in SIZES:
+        raise KeyError(f"no sizes for chapter {chapter!r}; known: {sorted(SIZES)}")
+    return SimpleNamespace(profile=profile, **SIZES[chapter][profile])
+
+
+def register(chapter: str, ci: dict, full: dict) -> None:
+    """Add a chapter's sizes (used by chapter modules that keep their sizes beside their code)."""
+    SIZES[chapter] = {"ci": dict(ci), "full": dict(full)}

@@ -1,0 +1,91 @@
+"""Headline numbers of each chapter, written to ``book/results/<profile>/<chapter>.json``.
+
+``ci`` results are git-ignored; ``full`` results are committed. Each file holds
+the metrics with the device, torch version, commit and wall time that made them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "book" / "results"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=RESULTS_DIR.parent.parent, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _plain(value):
+    """Tensors and NumPy values to JSON-ready Python values."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple, dict, str)):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def record(chapter: str, metrics: dict, profile: str | None = None) -> Path:
+    """Write ``metrics`` of ``chapter`` for the active profile; returns the file written."""
+    from .session import current_session
+
+    if not isinstance(metrics, dict) or not metrics:
+        raise ValueError("metrics must be a non-empty dict of name -> value")
+    sess = current_session()
+    profile = profile or sess.profile
+    dev = torch.cuda.get_device_name(sess.device) if sess.device.type == "cuda" else (
+        f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
+    payload = {
+        "chapter": chapter,
+        "profile": profile,
+        "device": dev,
+        "torch": torch.__version__,
+        "commit": _commit(),
+        "wall_seconds": round(time.time() - sess.started, 1),
+        "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "metrics": _plain(metrics),
+    }
+    path = RESULTS_DIR / profile / f"{chapter}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load(chapter: str, profile: str | None = None) -> dict | None:
+    """The recorded payload of ``chapter`` at ``profile`` (default: active), or None."""
+    from . import profiles
+
+    path = RESULTS_DIR / (profile or profiles.current()) / f"{chapter}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def all_results() -> list[dict]:
+    """Every recorded payload, all profiles."""
+    return [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*/*.json"))]
+
+
+def paper_vs_book(rows: list[tuple]):
+    """A table of ``(quantity, paper value, this book's value[, note])`` rows as a DataFrame."""
+    import pandas as pd
+
+    cols = ["quantity", "paper", "this book", "note"]
+    return pd.DataFrame([tuple(r) + ("",) * (4 - len(r)) for r in rows], columns=cols).set_index("quantity")

@@ -1,0 +1,75 @@
+"""``capslib.setup()``: seed everything, pick the device, print one line."""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import profiles
+
+_STATE: dict = {}
+
+
+@dataclass(frozen=True)
+class Session:
+    profile: str
+    device: torch.device
+    seed: int
+    started: float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def setup(seed: int = 0, device: str | torch.device | None = None, quiet: bool = False) -> Session:
+    """Seed Python, NumPy and torch; choose the device; print profile, device and data sizes.
+
+    Call it in the first code cell of every chapter so the reader sees at which
+    scale the outputs were produced.
+    """
+    profile = profiles.current()
+    dev = torch.device(device) if device is not None else default_device()
+    seed_everything(seed)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    sess = Session(profile=profile, device=dev, seed=seed, started=time.time())
+    _STATE["session"] = sess
+    if not quiet:
+        from .data import describe
+        print(f"capslib | profile={profile} | device={dev.type} ({name}) | torch {torch.__version__} | "
+              f"seed={seed} | data: {describe(profile)}")
+    return sess
+
+
+def current_session() -> Session:
+    """The session of the last :func:`setup` call (set up quietly if there was none)."""
+    if "session" not in _STATE:
+        setup(quiet=True)
+    return _STATE["session"]
+
+
+def device() -> torch.device:
+    return current_session().device

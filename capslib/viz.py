@@ -1,0 +1,72 @@
+"""Figures shared by the chapters (matplotlib + seaborn). Each returns its ``Figure``."""
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+
+def _np(t):
+    return t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+def image_grid(images, nrow: int | None = None, titles=None, title: str | None = None, cmap: str = "gray",
+               size: float = 1.1, vmin: float | None = 0.0, vmax: float | None = 1.0):
+    """Show images ``(N, C, H, W)`` or ``(R, K, C, H, W)`` (a grid of R rows) without axes."""
+    a = _np(images)
+    if a.ndim == 5:
+        rows, ncol = a.shape[:2]
+        a = a.reshape(rows * ncol, *a.shape[2:])
+    else:
+        ncol = nrow or min(len(a), 10)
+        rows = math.ceil(len(a) / ncol)
+    fig, axes = plt.subplots(rows, ncol, figsize=(size * ncol, size * rows), squeeze=False)
+    for k, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if k < len(a):
+            img = a[k]
+            img = img[0] if img.shape[0] == 1 else np.transpose(img, (1, 2, 0))
+            ax.imshow(img, cmap=cmap, vmin=vmin, vmax=vmax)
+            if titles is not None and k < len(titles):
+                ax.set_title(str(titles[k]), fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def coupling_heatmaps(cs, title: str = "couplings c_ij", xlabel: str = "parent capsule j",
+                      ylabel: str = "input capsule i", max_rows: int = 40):
+    """One heatmap per routing iteration of couplings ``(I, J)`` (the list from ``routing_trace``)."""
+    import seaborn as sns
+
+    cs = [_np(c)[:max_rows] for c in cs]
+    fig, axes = plt.subplots(1, len(cs), figsize=(3.0 * len(cs) + 1, 4), squeeze=False)
+    for t, (ax, c) in enumerate(zip(axes[0], cs)):
+        sns.heatmap(c, ax=ax, vmin=0, vmax=1, cmap="viridis", cbar=t == len(cs) - 1)
+        ax.set_title(f"iteration {t + 1}")
+        ax.set_xlabel(xlabel)
+        if t == 0:
+            ax.set_ylabel(ylabel)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def history_plot(histories: dict, keys=("loss", "val_acc"), title: str | None = None):
+    """Curves per epoch for several runs: ``{run name: history}`` -> one panel per key."""
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, h in histories.items():
+            if key in h and len(h[key]):
+                ax.plot(np.arange(1, len(h[key]) + 1), h[key], marker="o", ms=3, label=name)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(key.replace("_", " "))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig

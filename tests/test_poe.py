@@ -1,0 +1,172 @@
+"""Tests of capslib.poe (chapter 7: products of expert capsules, Hauser 2019)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import capslib
+from capslib import poe
+
+
+def _problem(B=3, I=5, J=4, Do=3, Di=2, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    W = 0.5 * torch.randn(I, J, Do, Di, generator=g, dtype=dtype)
+    x = capslib.squash(torch.randn(B, I, Di, generator=g, dtype=dtype))
+    c = torch.softmax(torch.randn(B, I, J, generator=g, dtype=dtype), dim=2)
+    return W, x, c
+
+
+def test_free_energy_matches_definition():
+    W, x, c = _problem()
+    z = torch.stack([sum(c[:, i, j, None] * (x[:, i] @ W[i, j].T) for i in range(W.shape[0]))
+                     for j in range(W.shape[1])], dim=1)                      # Eq. 3, by loops
+    expected = -torch.log(1 + (z ** 2).sum(-1)).sum(1)
+    torch.testing.assert_close(poe.free_energy(W, x, c), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_data_term_is_minus_autograd_of_free_energy():
+    W, x, c = _problem()
+    Wg = W.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(poe.free_energy(Wg, x, c).mean(), Wg)
+    torch.testing.assert_close(poe.data_term(W, x, c), -grad, rtol=1e-10, atol=1e-10)
+
+
+def test_data_term_finite_differences():
+    W, x, c = _problem(seed=1)
+    G = poe.data_term(W, x, c)
+    h = 1e-6
+    for idx in [(0, 0, 0, 0), (2, 3, 1, 1), (4, 1, 2, 0)]:
+        Wp, Wm = W.clone(), W.clone()
+        Wp[idx] += h
+        Wm[idx] -= h
+        fd = -(poe.free_energy(Wp, x, c).mean() - poe.free_energy(Wm, x, c).mean()) / (2 * h)
+        assert abs(float(fd) - float(G[idx])) < 1e-7
+
+
+def test_free_energy_gradcheck():
+    W, x, c = _problem(B=2, I=3, J=2, Do=2, Di=2)
+    assert torch.autograd.gradcheck(lambda w, xx: poe.free_energy(w, xx, c),
+                                    (W.requires_grad_(True), x.requires_grad_(True)))
+
+
+def test_firing_probability_is_sigmoid_of_log_norm_and_squash_length():
+    z = torch.randn(6, 4, 5, dtype=torch.float64)
+    p = poe.firing_probability(z)
+    torch.testing.assert_close(p, torch.sigmoid(torch.log((z ** 2).sum(-1))))       # Eq. 12
+    torch.testing.assert_close(p, capslib.squash(z).norm(dim=-1))                     # Eq. 13
+
+
+def test_energy_marginal_is_free_energy():
+    # sum over h in {0,1}^J of exp(-E(x, h)) = prod_j (1 + ||z_j||^2)  (Eq. 10)
+    W, x, c = _problem(J=3)
+    J = W.shape[1]
+    total = torch.zeros(x.shape[0], dtype=x.dtype)
+    for k in range(2 ** J):
+        h = torch.tensor([(k >> j) & 1 for j in range(J)], dtype=x.dtype).expand(x.shape[0], J)
+        total = total + torch.exp(-poe.energy(W, x, c, h))
+    torch.testing.assert_close(torch.log(total), -poe.free_energy(W, x, c))
+
+
+def test_cd1_gradient_is_data_minus_reconstruction_term():
+    W, x, _ = _problem(seed=2)
+    r = poe.cd1(W, x, iterations=3)
+    torch.testing.assert_close(r.delta, poe.data_term(W, x, r.c) - poe.data_term(W, r.x_tilde, r.c))
+    torch.testing.assert_close(poe.cd1_gradient(W, x, 3), r.delta)
+    torch.testing.assert_close(r.c.sum(dim=2), torch.ones(x.shape[:2], dtype=x.dtype))
+    assert bool((r.x_tilde.norm(dim=-1) < 1).all())
+
+
+def test_routing_one_iteration_is_uniform_and_normalize_inputs():
+    W, x, _ = _problem()
+    u = poe.votes(W, x)
+    torch.testing.assert_close(poe.cosine_routing(u, 1), torch.full(u.shape[:3], 1 / u.shape[2], dtype=u.dtype))
+    c = poe.cosine_routing(u, 3, normalize="inputs")
+    torch.testing.assert_close(c.sum(dim=1), torch.ones(u.shape[0], u.shape[2], dtype=u.dtype))
+
+
+def test_cosine_routing_ignores_vote_lengths_per_output():
+    # scaling every vote of one output capsule leaves the cosines, hence c, unchanged
+    W, x, _ = _problem(seed=3)
+    u = poe.votes(W, x)
+    u2 = u.clone()
+    u2[:, :, 1] *= 7.0
+    torch.testing.assert_close(poe.cosine_routing(u, 3), poe.cosine_routing(u2, 3))
+
+
+@settings(max_examples=15, deadline=None)
+@given(B=st.integers(1, 4), I=st.integers(1, 6), J=st.integers(1, 5), Do=st.integers(1, 4), Di=st.integers(1, 4))
+def test_shapes(B, I, J, Do, Di):
+    W, x, c = _problem(B, I, J, Do, Di)
+    assert poe.free_energy(W, x, c).shape == (B,)
+    assert poe.data_term(W, x, c).shape == W.shape
+    assert poe.cd1_gradient(W, x).shape == W.shape
+    assert poe.route_reverse(W, torch.randn(B, J, Do, dtype=W.dtype), c).shape == (B, I, Di)
+    U = torch.randn(I, J, Di, Do, dtype=W.dtype)
+    y = capslib.squash(torch.randn(B, J, Do, dtype=W.dtype))
+    assert poe.decode_capsules(U, y).shape == (B, I, Di)
+    assert poe.decoder_gradient(U, y, x).shape == U.shape
+
+
+def test_decoder_gradient_matches_loops():
+    g = torch.Generator().manual_seed(4)
+    U = torch.randn(5, 3, 2, 4, generator=g, dtype=torch.float64)
+    y = capslib.squash(torch.randn(2, 3, 4, generator=g, dtype=torch.float64))
+    t = capslib.squash(torch.randn(2, 5, 2, generator=g, dtype=torch.float64))
+    e = poe.decoder_routing(U, y)
+    torch.testing.assert_close(e.sum(dim=2), torch.ones(2, 5, dtype=torch.float64))
+    B, I, J = e.shape
+    z = torch.stack([sum(e[:, i, j, None] * (y[:, j] @ U[i, j].T) for j in range(J)) for i in range(I)], 1)
+    torch.testing.assert_close(poe.decode_capsules(U, y), z)
+    up = capslib.squash(torch.stack([sum(e[:, i, j, None] * (z[:, i] @ U[i, j]) for i in range(I)) for j in range(J)], 1))
+    expected = torch.zeros_like(U)
+    for b in range(B):
+        for i in range(I):
+            for j in range(J):
+                pos = torch.outer(t[b, i], y[b, j]) / (1 + t[b, i].dot(t[b, i]))
+                neg = torch.outer(z[b, i], up[b, j]) / (1 + z[b, i].dot(z[b, i]))
+                expected[i, j] += 2 * e[b, i, j] * (pos - neg) / B
+    torch.testing.assert_close(poe.decoder_gradient(U, y, t), expected)
+
+
+def test_capsule_code_round_trip():
+    h = torch.randn(2, 16, 6, 6, dtype=torch.float64)
+    x = poe.code_to_capsules(h, 8)
+    assert x.shape == (2, 6 * 6 * 2, 8)
+    torch.testing.assert_close(poe.capsules_to_code(x, (16, 6, 6)), h)
+
+
+def test_model_shapes_and_generation():
+    torch.manual_seed(0)
+    m = poe.PoECapsules(channels=16, out_caps=4, out_dim=6).eval()
+    img = torch.rand(3, 1, 28, 28)
+    x = m.capsules(img)
+    assert x.shape == (3, 6 * 6 * 2, 8)
+    y, c = m.encode(x)
+    assert y.shape == (3, 4, 6) and c.shape == (3, 72, 4)
+    assert m.decode(y).shape == (3, 1, 28, 28)
+    g = torch.randn(5, 6)
+    out = m.generate(2, g, hemisphere=torch.ones(6))
+    assert out.shape == (5, 1, 28, 28)
+    torch.testing.assert_close(m.generate(2, g, hemisphere=torch.ones(6)), m.generate(2, -g, hemisphere=torch.ones(6)))
+    assert capslib.models.PoECapsules is poe.PoECapsules
+
+
+def test_bad_inputs():
+    W, x, c = _problem()
+    with pytest.raises(ValueError, match=r"W must be \(I, J, Do, Di\)"):
+        poe.free_energy(W[0], x, c)
+    with pytest.raises(ValueError, match=r"x must be \(B, I, Di\)"):
+        poe.data_term(W, x[:, :2], c)
+    with pytest.raises(ValueError, match=r"c must be \(B, I, J\)"):
+        poe.free_energy(W, x, c[:, :, :2])
+    with pytest.raises(TypeError, match="W must be a torch.Tensor"):
+        poe.cd1_gradient(W.numpy(), x)
+    with pytest.raises(ValueError, match="normalize"):
+        poe.cd1_gradient(W, x, normalize="rows")
+    with pytest.raises(ValueError, match="iterations"):
+        poe.cd1_gradient(W, x, iterations=0)
+    with pytest.raises(ValueError, match="max_length"):
+        poe.capsules_to_code(torch.zeros(1, 9, 8), (8, 3, 3), max_length=1.0)
+    m = poe.PoECapsules(channels=16, out_caps=4, out_dim=6)
+    with pytest.raises(ValueError, match="capsule must lie"):
+        m.generate(4, torch.randn(2, 6))

@@ -1,0 +1,224 @@
+"""Unit tests of capslib.rem (chapter 6): quantizer, parse-tree dictionaries, quantized
+routing, pruning masks, saliency maps and the fully connected CapsNet."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import capslib
+from capslib import models, rem
+
+
+# ------------------------------------------------------------------ quantize (Eq. 13)
+
+def test_quantize_edges_and_midpoints():
+    c = torch.tensor([0.0, 0.04, 0.06, 0.1, 0.5, 0.94, 0.96, 1.0])
+    assert rem.quantize(c, 11).tolist() == [0, 0, 1, 1, 5, 9, 10, 10]
+    assert rem.quantize(c, 2).tolist() == [0, 0, 0, 0, 0, 1, 1, 1]  # 0.5 ties to even
+    out = rem.quantize(c, 11)
+    assert out.dtype == torch.long and out.shape == c.shape
+
+
+def test_quantize_clamps_out_of_range():
+    assert rem.quantize(torch.tensor([-0.3, 1.7]), 5).tolist() == [0, 4]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 64), st.lists(st.integers(1, 4), min_size=1, max_size=3))
+def test_quantize_range_and_error(levels, shape):
+    c = torch.rand(*shape, dtype=torch.float64)
+    q = rem.quantize(c, levels)
+    assert q.min() >= 0 and q.max() < levels
+    err = (rem.dequantize(q, levels, torch.float64) - c).abs().max()
+    assert err <= 0.5 / (levels - 1) + 1e-12
+
+
+@pytest.mark.parametrize("bad,err,msg", [
+    ([0.1], TypeError, "c must be a torch.Tensor"),
+    (torch.tensor([1, 0]), TypeError, "floating-point"),
+])
+def test_quantize_bad_input(bad, err, msg):
+    with pytest.raises(err, match=msg):
+        rem.quantize(bad)
+
+
+def test_quantize_bad_levels():
+    with pytest.raises(ValueError, match="levels must be >= 2"):
+        rem.quantize(torch.rand(3), levels=1)
+
+
+# ------------------------------------------------------------------ entropy (Eq. 14-15) and keys
+
+def test_identical_trees_have_zero_entropy():
+    codes = torch.tensor([[1, 2, 3]] * 6)
+    pred = torch.tensor([0, 0, 0, 1, 1, 1])
+    per_class, mean = rem.parse_tree_entropy(codes, pred, 3)
+    assert per_class.tolist() == [0.0, 0.0, 0.0] and float(mean) == 0.0
+    assert rem.count_parse_trees(codes, pred, 3).tolist() == [1, 1, 0]
+
+
+def test_two_equally_frequent_trees_give_one_bit():
+    codes = torch.tensor([[1, 0], [0, 1], [1, 0], [0, 1]])
+    pred = torch.zeros(4, dtype=torch.long)
+    per_class, mean = rem.parse_tree_entropy(codes, pred, 2)
+    torch.testing.assert_close(per_class, torch.tensor([1.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(mean, torch.tensor(0.5, dtype=torch.float64))
+    assert rem.count_parse_trees(codes, pred, 2).tolist() == [2, 0]
+
+
+def test_same_key_in_two_classes_counts_separately():
+    codes = torch.tensor([[3, 3], [3, 3], [4, 4], [3, 3]])
+    pred = torch.tensor([0, 1, 1, 1])
+    per_class, _ = rem.parse_tree_entropy(codes, pred, 2)
+    p = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
+    torch.testing.assert_close(per_class, torch.stack([torch.tensor(0.0, dtype=torch.float64),
+                                                       -(p * p.log2()).sum()]))
+    assert rem.count_parse_trees(codes, pred, 2).tolist() == [1, 2]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 6), st.integers(2, 4), st.integers(1, 5))
+def test_entropy_matches_counter_and_bounds(n, i, levels, classes):
+    g = torch.Generator().manual_seed(n * 31 + i)
+    codes = torch.randint(0, levels, (n, i), generator=g)
+    pred = torch.randint(0, classes, (n,), generator=g)
+    per_class, mean = rem.parse_tree_entropy(codes, pred, classes)
+    keys = rem.count_parse_trees(codes, pred, classes)
+    from collections import Counter
+    for j in range(classes):
+        rows = [tuple(r) for r, p in zip(codes.tolist(), pred.tolist()) if p == j]
+        cnt = Counter(rows)
+        h = -sum(c / len(rows) * math.log2(c / len(rows)) for c in cnt.values()) if rows else 0.0
+        assert abs(per_class[j].item() - h) < 1e-9
+        assert keys[j].item() == len(cnt)
+        assert per_class[j] <= math.log2(max(keys[j].item(), 1)) + 1e-9   # H <= log2(#keys)
+    assert abs(mean.item() - per_class.mean().item()) < 1e-12
+
+
+def test_dictionary_strings_and_counts():
+    codes = torch.tensor([[10, 0, 1], [10, 0, 1], [1, 1, 1]])
+    pred = torch.tensor([2, 2, 2])
+    d = rem.parse_tree_dictionary(codes, pred, 3)
+    assert d[0] == {} and d[2] == {"a01": 2, "111": 1}
+
+
+@pytest.mark.parametrize("codes,pred,msg", [
+    (torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), r"codes must be \(N, I\)"),
+    (torch.zeros(3, 2), torch.zeros(3, dtype=torch.long), "integer quantization indices"),
+    (torch.zeros(3, 2, dtype=torch.long), torch.zeros(2, dtype=torch.long), "N = codes.shape"),
+    (torch.zeros(3, 2, dtype=torch.long), torch.tensor([0, 1, 5]), r"\[0, 4\)"),
+])
+def test_entropy_bad_input(codes, pred, msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
+        rem.parse_tree_entropy(codes, pred, 4)
+
+
+# ------------------------------------------------------------------ quantized routing
+
+def test_quantized_routing_uses_quantized_last_couplings():
+    u_hat = torch.randn(3, 7, 4, 5, dtype=torch.float64)
+    _, c = capslib.dynamic_routing(u_hat, 3)
+    v_q, c_q = rem.QuantizedRouting(11)(u_hat, 3)
+    torch.testing.assert_close(c_q, rem.quantize(c, 11).double() / 10)
+    torch.testing.assert_close(v_q, capslib.squash(torch.einsum("bij,bijd->bjd", c_q, u_hat)))
+
+
+def test_quantized_routing_as_routing_fn_and_level_sweep_agree():
+    torch.manual_seed(0)
+    net = models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(), num_classes=3)
+    x = torch.rand(6, 1, 28, 28)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    split = capslib.data.Split(x, y)
+    sweep = rem.level_sweep(net, split, (5, 11))
+    net.digit.routing_fn = rem.QuantizedRouting(11)
+    with torch.no_grad():
+        v, c_q = net.encode(x)
+    pred = v.norm(dim=-1).argmax(1)
+    assert torch.equal(pred, sweep[11]["predicted"])
+    codes = rem.quantize(c_q, 11).gather(2, pred.view(-1, 1, 1).expand(-1, c_q.shape[1], 1)).squeeze(2)
+    assert torch.equal(codes, sweep[11]["codes"])
+
+
+# ------------------------------------------------------------------ pruning
+
+def _net():
+    torch.manual_seed(0)
+    return models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(32,), num_classes=3)
+
+
+def test_prunable_skips_decoder_and_masks_work():
+    net = _net()
+    params = rem.prunable(net)
+    names = {type(m).__name__ for m, _ in params}
+    assert names == {"Conv2d", "DenseCaps"} and len(params) == 3
+    rem.apply_global_magnitude(params, 0.5)
+    assert abs(rem.sparsity(params) - 0.5) < 0.01
+    assert all(hasattr(m, n + "_mask") for m, n in params)
+    before = rem.sparsity(params)
+    rem.apply_global_magnitude(params, 0.2)   # never revives pruned weights
+    assert rem.sparsity(params) == before
+    assert models.count_parameters(net.digit, nonzero=True) < net.digit.W_orig.numel()
+
+
+def test_lobster_step_shrinks_insensitive_weights_only():
+    lin = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, 1.0]]))
+    lin.weight.grad = torch.tensor([[0.0, 2.0]])
+    rem.lobster_step([(lin, "weight")], lam=0.1)
+    torch.testing.assert_close(lin.weight.detach(), torch.tensor([[0.9, 1.0]]))
+
+
+def test_threshold_search_respects_validation_loss():
+    net = _net()
+    x, y = torch.rand(20, 1, 28, 28), torch.randint(0, 3, (20,))
+    val = capslib.data.Split(x, y)
+    params = rem.prunable(net)
+    base = rem.margin_loss_on(net, val)
+    s = rem.threshold_search(net, params, val, tolerance=0.0, steps=5)
+    assert 0.0 <= s < 1.0
+    assert rem.margin_loss_on(net, val) <= base + 1e-6
+
+
+def test_snip_masks_keep_requested_fraction():
+    net = _net()
+    params = rem.prunable(net)
+    x, y = torch.rand(8, 1, 28, 28), torch.randint(0, 3, (8,))
+    masks = rem.snip_masks(net, params, rem.margin_loss_fn, x, y, 0.7)
+    kept = sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+    assert abs(kept - 0.3) < 0.01
+    with pytest.raises(ValueError, match="fraction"):
+        rem.snip_masks(net, params, rem.margin_loss_fn, x, y, 1.0)
+
+
+# ------------------------------------------------------------------ saliency (Eq. 16), FC CapsNet
+
+def test_saliency_maps_shape_and_hand_formula():
+    net = _net()
+    x = torch.rand(2, 1, 28, 28)
+    E, pred = rem.saliency_maps(net, x, 11)
+    assert E.shape == (2, 28, 28) and pred.shape == (2,)
+    u, u_hat, c = rem.last_couplings(net, x)
+    cq = rem.quantize(c, 11).float() / 10
+    grid = (u.norm(dim=-1) * cq[torch.arange(2), :, pred]).view(2, 2, 6, 6).mean(1)
+    up = torch.nn.functional.interpolate(grid[:, None], size=(28, 28), mode="bilinear", align_corners=False)[:, 0]
+    torch.testing.assert_close(E, up)
+
+
+def test_fc_capsnet_shapes_parse_tree_and_lazy_export():
+    assert models.FCCapsNet is rem.FCCapsNet
+    torch.manual_seed(0)
+    net = rem.FCCapsNet(conv_channels=4, primary_caps=5, hidden_caps=4, hidden_layers=2, caps_dim=3, num_classes=3)
+    out = net(torch.rand(2, 1, 28, 28))
+    assert out.lengths.shape == (2, 3)
+    assert [c.shape for c in out.couplings] == [(2, 5, 4), (2, 4, 4), (2, 4, 3)]
+    G = rem.parse_tree_graph(out, 1)
+    assert G.number_of_nodes() == 5 + 4 + 4 + 3
+    in_tree = sum(d["in_tree"] for _, d in G.nodes(data=True))
+    assert in_tree == int(rem.tree_size(out)[1])
+    for a, b, d in G.edges(data=True):
+        assert d["weight"] > 1.0 / net.sizes[b[0]]
+    with pytest.raises(ValueError, match=r"x must be \(B, 1, 28, 28\)"):
+        net(torch.rand(2, 1, 30, 30))

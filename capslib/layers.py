@@ -92,7 +92,13 @@ class DenseCaps(nn.Module):
         return torch.einsum("ijdk,bik->bijd", self.W.to(u.dtype), u)
 
     def forward(self, u: torch.Tensor):
-        return self.routing_fn(self.votes(u), self.iterations, self.detach)
+        u_hat = self.votes(u)
+        if u_hat.dtype in (torch.float16, torch.bfloat16):
+            # Mixed precision: votes come out of bf16 matmuls, but the routing softmax,
+            # squash and agreements run in float32 (the iterations amplify rounding).
+            with torch.autocast(device_type=u_hat.device.type, enabled=False):
+                return self.routing_fn(u_hat.float(), self.iterations, self.detach)
+        return self.routing_fn(u_hat, self.iterations, self.detach)
 
     def extra_repr(self) -> str:
         return (f"in_caps={self.in_caps}, in_dim={self.in_dim}, out_caps={self.out_caps}, "

@@ -227,3 +227,13 @@ def test_count_parameters_nonzero_with_prune():
     torch.nn.utils.prune.l1_unstructured(lin, "weight", amount=0.5)
     assert models.count_parameters(lin) == 110
     assert models.count_parameters(lin, nonzero=True) == 50 + int((lin.bias != 0).sum())
+
+
+def test_dense_caps_routes_in_float32_under_autocast():
+    dc = layers.DenseCaps(6, 4, 3, 5)
+    u = torch.randn(2, 6, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        v, c = dc(u)
+    assert v.dtype == torch.float32 and c.dtype == torch.float32
+    v32, _ = dc(u)
+    torch.testing.assert_close(v, v32, rtol=0.05, atol=0.01)

@@ -162,6 +162,23 @@ def test_prunable_skips_decoder_and_masks_work():
     assert models.count_parameters(net.digit, nonzero=True) < net.digit.W_orig.numel()
 
 
+def test_level_sweep_sees_loaded_pruned_weights():
+    net = _net()
+    params = rem.prunable(net)
+    rem.apply_global_magnitude(params, 0.6)
+    with torch.no_grad():
+        net.digit.W_orig.mul_(3.0)                 # changed after the last forward
+    fresh = _net()
+    rem.attach_masks(rem.prunable(fresh))
+    fresh.load_state_dict({k: v.clone() for k, v in net.state_dict().items()})
+    x = torch.rand(5, 1, 28, 28)
+    _, u_hat, _ = rem.last_couplings(fresh, x)
+    with torch.no_grad():
+        u = net.primary(torch.relu(net.conv(x)))
+    expected = torch.einsum("ijdk,bik->bijd", net.digit.W_orig * net.digit.W_mask, u)
+    torch.testing.assert_close(u_hat, expected)
+
+
 def test_lobster_step_shrinks_insensitive_weights_only():
     lin = torch.nn.Linear(2, 1, bias=False)
     with torch.no_grad():

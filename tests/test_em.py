@@ -1,0 +1,194 @@
+"""Tests of capslib.em: EM routing (Hinton et al. 2018, Procedure 1), its layers and the spread loss."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import capslib
+from capslib import em
+
+
+def plain_em(V, a, beta_u, beta_a, iterations, final_lambda=em.FINAL_LAMBDA, var_floor=em.VAR_FLOOR, eps=em.EPS):
+    """Procedure 1 written with the plain formulas (no centring, no moment tricks)."""
+    B, I, J, H = V.shape
+    R = torch.full((B, I, J), 1.0 / J, dtype=V.dtype)
+    for lam in em.inverse_temperatures(iterations, final_lambda):
+        rp = R * a[:, :, None]
+        S = rp.sum(1).clamp_min(eps)
+        mu = (rp[..., None] * V).sum(1) / S[..., None]
+        var = (rp[..., None] * (V - mu[:, None]) ** 2).sum(1) / S[..., None] + var_floor
+        cost = (beta_u[:, None] + 0.5 * torch.log(var)) * rp.sum(1)[..., None]
+        act = torch.sigmoid(lam * (beta_a - cost.sum(-1)))
+        logp = -((V - mu[:, None]) ** 2 / (2 * var[:, None]) + 0.5 * torch.log(2 * math.pi * var[:, None])).sum(-1)
+        R = torch.softmax(torch.log(act)[:, None, :] + logp, dim=2)
+    return mu, act, R
+
+
+def _inputs(B=2, I=6, J=4, H=16, scale=1.0, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    V = scale * torch.randn(B, I, J, H, generator=g, dtype=dtype)
+    a = torch.rand(B, I, generator=g, dtype=dtype)
+    bu = 0.1 * torch.randn(J, generator=g, dtype=dtype)
+    ba = 0.1 * torch.randn(J, generator=g, dtype=dtype)
+    return V, a, bu, ba
+
+
+def _finite_grads(V, a, bu, ba, iterations=3):
+    V, a, bu, ba = (t.clone().requires_grad_(True) for t in (V, a, bu, ba))
+    mu, act, R = em.em_routing(V, a, bu, ba, iterations)
+    assert torch.isfinite(mu).all() and torch.isfinite(act).all() and torch.isfinite(R).all()
+    torch.testing.assert_close(R.sum(-1), torch.ones_like(R.sum(-1)))
+    (mu.square().sum() + act.sum() + (R * torch.arange(R.shape[-1], dtype=R.dtype)).sum()).backward()
+    for t in (V, a, bu, ba):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+    return mu, act, R
+
+
+def test_matches_plain_procedure_float64():
+    V, a, bu, ba = _inputs()
+    for iterations in (1, 2, 3, 5):
+        for want, got in zip(plain_em(V, a, bu, ba, iterations), em.em_routing(V, a, bu, ba, iterations)):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_exported_from_capslib():
+    assert capslib.em_routing is em.em_routing
+    from capslib import layers, models
+    assert layers.ConvCaps is em.ConvCaps and layers.MatrixCaps is em.MatrixCaps
+    assert layers.PrimaryMatrixCaps is em.PrimaryMatrixCaps and layers.ClassCaps is em.ClassCaps
+    assert models.EMCapsNet is em.EMCapsNet
+
+
+@settings(max_examples=20, deadline=None)
+@given(B=st.integers(1, 3), I=st.integers(1, 7), J=st.integers(1, 5), H=st.integers(1, 16), it=st.integers(1, 4))
+def test_shapes_and_assignments_sum_to_one(B, I, J, H, it):
+    V, a, bu, ba = _inputs(B, I, J, H, dtype=torch.float32)
+    mu, act, R = em.em_routing(V, a, bu, ba, it)
+    assert mu.shape == (B, J, H) and act.shape == (B, J) and R.shape == (B, I, J)
+    torch.testing.assert_close(R.sum(-1), torch.ones(B, I))
+    assert ((act > 0) & (act < 1)).all()
+
+
+def test_identical_votes_zero_variance_finite():
+    V, a, bu, ba = _inputs()
+    V = V[:, :1].expand_as(V).contiguous()          # every child casts the same vote
+    mu, act, R = _finite_grads(V, a, bu, ba)
+    torch.testing.assert_close(mu, V[:, 0])
+
+
+def test_all_zero_activations_finite():
+    V, a, bu, ba = _inputs()
+    mu, act, R = _finite_grads(V, torch.zeros_like(a), bu, ba)
+    torch.testing.assert_close(mu, V.mean(dim=1))   # no activation: the plain mean of the votes
+
+
+def test_huge_votes_finite_float32():
+    V, a, bu, ba = _inputs(scale=1e4, dtype=torch.float32)
+    _finite_grads(V, a, bu, ba)
+
+
+def test_one_input_capsule():
+    V, a, bu, ba = _inputs(I=1)
+    mu, act, R = _finite_grads(V, a, bu, ba)
+    torch.testing.assert_close(mu, V[:, 0])
+
+
+def test_gradcheck_float64():
+    V, a, bu, ba = _inputs(B=1, I=4, J=3, H=4)
+    f = lambda V, a, bu, ba: em.em_routing(V, a, bu, ba, 2)[:2]
+    assert torch.autograd.gradcheck(f, tuple(t.clone().requires_grad_(True) for t in (V, a, bu, ba)))
+
+
+def test_trace_ends_at_em_routing():
+    V, a, bu, ba = _inputs()
+    states = em.em_trace(V, a, bu, ba, 3)
+    mu, act, R = em.em_routing(V, a, bu, ba, 3)
+    assert len(states) == 3
+    torch.testing.assert_close(states[-1].mu, mu)
+    torch.testing.assert_close(states[-1].a, act)
+    torch.testing.assert_close(states[-1].R, R)
+
+
+def test_detach_same_forward():
+    V, a, bu, ba = _inputs()
+    for x, y in zip(em.em_routing(V, a, bu, ba, 3), em.em_routing(V, a, bu, ba, 3, detach=True)):
+        torch.testing.assert_close(x, y)
+
+
+def test_inverse_temperature_schedule():
+    lams = em.inverse_temperatures(3, 0.3)
+    assert lams == pytest.approx([0.1, 0.2, 0.3])
+    with pytest.raises(ValueError):
+        em.inverse_temperatures(0)
+
+
+def test_bad_inputs():
+    V, a, bu, ba = _inputs()
+    with pytest.raises(ValueError, match="votes"):
+        em.em_routing(V[0], a, bu, ba)
+    with pytest.raises(ValueError, match="activations"):
+        em.em_routing(V, a[:, :3], bu, ba)
+    with pytest.raises(TypeError, match="votes"):
+        em.em_routing(V.long(), a, bu, ba)
+    with pytest.raises(ValueError, match="beta_u"):
+        em.em_routing(V, a, torch.zeros(7), ba)
+    with pytest.raises(ValueError, match="iterations"):
+        em.em_routing(V, a, bu, ba, 0)
+
+
+def test_spread_loss_and_margin():
+    act = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.3, 0.1]])
+    y = torch.tensor([0, 2])
+    # sample 0: gaps 0.8, 0.4 -> max(0, 0.5-0.8)=0, max(0, 0.5-0.4)=0.1 -> 0.01
+    # sample 1: gaps -0.1, -0.2 -> 0.6^2 + 0.7^2 = 0.85
+    torch.testing.assert_close(em.spread_loss(act, y, 0.5), torch.tensor((0.01 + 0.85) / 2))
+    assert em.margin_at(0, 11) == pytest.approx(0.2) and em.margin_at(10, 11) == pytest.approx(0.9)
+    assert em.margin_at(5, 11) == pytest.approx(0.55)
+    with pytest.raises(TypeError):
+        em.spread_loss(act, y.float(), 0.5)
+
+
+def test_conv_caps_matches_loop():
+    torch.manual_seed(0)
+    layer = em.ConvCaps(3, 2, kernel_size=3, stride=2, iterations=2).double()
+    pose = torch.randn(2, 7, 5, 3, 4, 4, dtype=torch.float64)
+    a = torch.rand(2, 7, 5, 3, dtype=torch.float64)
+    mu, act = layer(pose, a)
+    assert mu.shape == (2, 3, 2, 2, 4, 4) and act.shape == (2, 3, 2, 2)
+    # one patch by hand: output position (1, 0) reads rows 2..4, cols 0..2
+    M = pose[:, 2:5, 0:3].reshape(2, 27, 4, 4)
+    votes = torch.einsum("nipq,ijqr->nijpr", M, layer.W).reshape(2, 27, 2, 16)
+    mu1, act1, _ = em.em_routing(votes, a[:, 2:5, 0:3].reshape(2, 27), layer.beta_u, layer.beta_a, 2,
+                                 final_lambda=layer.final_lambda)
+    torch.testing.assert_close(mu[:, 1, 0].reshape(2, 2, 16), mu1)
+    torch.testing.assert_close(act[:, 1, 0], act1)
+
+
+def test_class_caps_coordinate_addition():
+    torch.manual_seed(0)
+    layer = em.ClassCaps(2, classes=3, iterations=1).double()
+    pose = torch.zeros(1, 2, 2, 2, 4, 4, dtype=torch.float64)
+    a = torch.ones(1, 2, 2, 2, dtype=torch.float64)
+    mu, act = layer(pose, a)
+    # zero poses: votes are only the coordinates, whose mean is the grid centre 0.5
+    torch.testing.assert_close(mu[0, :, 0, 3], torch.full((3,), 0.5, dtype=torch.float64))
+    torch.testing.assert_close(mu[0, :, 1, 3], torch.full((3,), 0.5, dtype=torch.float64))
+    assert float(mu[0, :, 2:, :].detach().abs().max()) == 0.0
+
+
+def test_em_capsnet_forward_backward():
+    torch.manual_seed(0)
+    model = em.EMCapsNet(A=8, B=4, C=4, D=4, iterations=2)
+    x = torch.rand(3, 1, 28, 28)
+    model.calibrate(x)
+    out = model(x)
+    assert out.activations.shape == (3, 10) and out.poses.shape == (3, 10, 4, 4)
+    em.spread_loss(out.activations, torch.tensor([0, 1, 2]), 0.2).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    model.iterations = 1
+    assert model.conv_caps1.iterations == 1 and model.class_caps.iterations == 1
+    assert model(torch.rand(2, 1, 40, 40)).activations.shape == (2, 10)   # any input size
+    with pytest.raises(ValueError, match="x must be"):
+        model(torch.rand(2, 3, 28, 28))

@@ -362,3 +362,51 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ----------------------------------------------------------------------------- smallNORB (chapter 5)
+
+_NORB_FILES = {
+    "train": ("smallnorb-5x46789x9x18x6x2x96x96-training-dat.mat", "smallnorb-5x46789x9x18x6x2x96x96-training-cat.mat"),
+    "test": ("smallnorb-5x01235x9x18x6x2x96x96-testing-dat.mat", "smallnorb-5x01235x9x18x6x2x96x96-testing-cat.mat"),
+}
+
+
+def _read_norb(path: Path) -> np.ndarray:
+    """A smallNORB binary matrix: magic int32, ndim int32, max(ndim, 3) int32 sizes, then the data."""
+    raw = path.read_bytes()
+    magic, ndim = struct.unpack("<ii", raw[:8])
+    dtypes = {0x1E3D4C55: np.uint8, 0x1E3D4C54: np.int32}
+    if magic not in dtypes:
+        raise ValueError(f"{path} is not a smallNORB matrix (magic {magic:#x})")
+    dims = struct.unpack(f"<{max(ndim, 3)}i", raw[8:8 + 4 * max(ndim, 3)])[:ndim]
+    return np.frombuffer(raw, dtype=dtypes[magic], offset=8 + 4 * max(ndim, 3)).reshape(dims)
+
+
+def smallnorb(size: int = 32, seed: int = 0, val: int = 2000) -> dict[str, Split]:
+    """smallNORB (LeCun et al. 2004) as Hinton et al. 2018 use it (chapter 5): the left image of
+    each stereo pair, 5 classes, downsampled from 96x96 to ``size`` x ``size``; ``val`` seeded
+    training images held out. Reads the uncompressed ``.mat`` files from ``data/smallNORB``.
+
+    Raises:
+        DatasetMissing: when the files are not there (they cannot be fetched from the package registry).
+    """
+    root = DATA_DIR / "smallNORB"
+    paths = {k: (root / d, root / c) for k, (d, c) in _NORB_FILES.items()}
+    missing = [p.name for pair in paths.values() for p in pair if not p.exists()]
+    if missing:
+        raise DatasetMissing(
+            f"smallNORB is not in {root} (missing {', '.join(missing)}). It is not on the package registry; "
+            f"on a machine with internet, download the four files from "
+            f"https://cs.nyu.edu/~yann/data/norb-v1.0-small/ (the *-dat.mat and *-cat.mat of training "
+            f"and testing), gunzip them and copy them into {root}.")
+    out = {}
+    for split, (dat, cat) in paths.items():
+        x = torch.from_numpy(_read_norb(dat)[:, 0].astype(np.float32) / 255.0).unsqueeze(1)
+        x = F.interpolate(x, size=(size, size), mode="area")
+        out[split] = Split(x, torch.from_numpy(_read_norb(cat).astype(np.int64)))
+    perm = torch.randperm(len(out["train"]), generator=torch.Generator().manual_seed(seed))
+    tr = out["train"]
+    out["val"] = Split(tr.x[perm[:val]], tr.y[perm[:val]])
+    out["train"] = Split(tr.x[perm[val:]], tr.y[perm[val:]])
+    return out

@@ -398,7 +398,9 @@ class ClassCaps(MatrixCaps):
         super().__init__(in_types, classes, in_types, iterations, pose, final_lambda, detach=detach)
         self.coordinate_addition = coordinate_addition
 
-    def forward(self, pose: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
+    def votes(self, pose: torch.Tensor, a: torch.Tensor):
+        """``pose (B, H, W, T, 4, 4)``, ``a (B, H, W, T)`` -> votes ``(B, J, I, 4, 4)`` (parent-major,
+        coordinates added) and child activations ``(B, I)`` with ``I = H*W*T``."""
         _check_caps(pose, a, self.in_types, self.p)
         B, H, W, T, p = *pose.shape[:4], self.p
         votes = torch.einsum("bxytpq,tjqr->bjxytpr", pose, self.W.to(pose.dtype))
@@ -409,8 +411,10 @@ class ClassCaps(MatrixCaps):
             coord[:, :, 0, p - 1] = rows[:, None]
             coord[:, :, 1, p - 1] = cols[None, :]
             votes = votes + coord[None, None, :, :, None]
-        votes = votes.reshape(B, self.out_types, H * W * T, p, p)
-        return self.route(votes, a.reshape(B, H * W * T), iterations)
+        return votes.reshape(B, self.out_types, H * W * T, p, p), a.reshape(B, H * W * T)
+
+    def forward(self, pose: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
+        return self.route(*self.votes(pose, a), iterations)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", coordinate_addition={self.coordinate_addition}"

@@ -89,7 +89,12 @@ class DenseCaps(nn.Module):
             raise ValueError(
                 f"u must be (B, {self.in_caps}, {self.in_dim}) = (B, I, D_in); got {tuple(u.shape)}"
             )
-        return torch.einsum("ijdk,bik->bijd", self.W.to(u.dtype), u)
+        W = self.W
+        if hasattr(self, "W_mask") and hasattr(self, "W_orig"):
+            # pruned with torch.nn.utils.prune: use the masked weights even when votes() is
+            # called outside forward (whose pre-hook is what normally refreshes W)
+            W = self.W_orig * self.W_mask
+        return torch.einsum("ijdk,bik->bijd", W.to(u.dtype), u)
 
     def forward(self, u: torch.Tensor):
         u_hat = self.votes(u)

@@ -19,12 +19,22 @@ SIZES: dict[str, dict[str, dict]] = {
     # Chapter 2: CapsNet of Sabour et al. (Sec. 4). `full` is the paper's network.
     "02_dynamic_routing": {
         "ci": dict(dataset="embedded", conv_channels=32, primary_types=8, primary_dim=8, digit_dim=16,
-                   decoder=(256, 512), iterations=3, epochs=5, batch_size=64, lr=2e-3, lr_decay=0.9,
-                   expanded_epochs=4),
+                   decoder=(256, 512), iterations=3, epochs=4, batch_size=64, lr=2e-3, lr_decay=0.9,
+                   expanded_epochs=3, expanded_primary_stride=3),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                      decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,
-                     expanded_epochs=30),
+                     expanded_epochs=30, expanded_primary_stride=2),
     },
+}
+
+
+# Chapters whose sizes live beside their code (registered when the module is imported).
+CHAPTER_MODULES = {
+    "03_soft_routing_gradients": "soft_routing",
+    "04_coupling_gradient_proof": "coupling_gradient",
+    "05_em_routing": "em",
+    "06_rem": "rem",
+    "07_products_of_expert_capsules": "poe",
 }
 
 
@@ -41,6 +51,9 @@ def current() -> str:
 def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
     """Sizes of ``chapter``'s experiments at ``profile`` (default: :func:`current`)."""
     profile = profile or current()
+    if chapter not in SIZES and chapter in CHAPTER_MODULES:
+        import importlib
+        importlib.import_module(f"capslib.{CHAPTER_MODULES[chapter]}")
     if chapter not in SIZES:
         raise KeyError(f"no sizes for chapter {chapter!r}; known: {sorted(SIZES)}")
     return SimpleNamespace(profile=profile, **SIZES[chapter][profile])

@@ -237,3 +237,22 @@ def test_dense_caps_routes_in_float32_under_autocast():
     assert v.dtype == torch.float32 and c.dtype == torch.float32
     v32, _ = dc(u)
     torch.testing.assert_close(v, v32, rtol=0.05, atol=0.01)
+
+
+def test_dense_caps_votes_use_pruning_mask():
+    import torch.nn.utils.prune as prune
+    dc = layers.DenseCaps(6, 4, 3, 5)
+    prune.l1_unstructured(dc, "W", amount=0.5)
+    with torch.no_grad():
+        dc.W_orig.add_(1.0)  # W is stale until a forward pass; votes must not be
+    u = torch.randn(2, 6, 4)
+    expected = torch.einsum("ijdk,bik->bijd", dc.W_orig * dc.W_mask, u)
+    torch.testing.assert_close(dc.votes(u), expected)
+
+
+def test_profiles_settings_imports_chapter_module():
+    from capslib import profiles
+    s = profiles.settings("02_dynamic_routing", "full")
+    assert s.conv_channels == 256 and s.primary_types == 32 and s.batch_size == 128
+    with pytest.raises(KeyError, match="no sizes"):
+        profiles.settings("99_missing")

@@ -12,9 +12,24 @@ def _np(t):
     return t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
 
 
+def tile(images, ncol: int, pad: int = 1, fill: float = 1.0) -> np.ndarray:
+    """Images ``(N, C, H, W)`` -> one mosaic ``(rows*(H+pad), ncol*(W+pad)[, C])`` for a single imshow."""
+    a = _np(images)
+    N, C, H, W = a.shape
+    rows = math.ceil(N / ncol)
+    out = np.full((rows * (H + pad) - pad, ncol * (W + pad) - pad, C), fill, dtype=np.float32)
+    for k in range(N):
+        r, c = divmod(k, ncol)
+        out[r * (H + pad):r * (H + pad) + H, c * (W + pad):c * (W + pad) + W] = np.transpose(a[k], (1, 2, 0))
+    return out[..., 0] if C == 1 else out
+
+
 def image_grid(images, nrow: int | None = None, titles=None, title: str | None = None, cmap: str = "gray",
                size: float = 1.1, vmin: float | None = 0.0, vmax: float | None = 1.0):
-    """Show images ``(N, C, H, W)`` or ``(R, K, C, H, W)`` (a grid of R rows) without axes."""
+    """Show images ``(N, C, H, W)`` or ``(R, K, C, H, W)`` (a grid of R rows of K).
+
+    Without ``titles`` the grid is one tiled image (fast for hundreds of digits);
+    with ``titles`` each image gets its own small axis and caption."""
     a = _np(images)
     if a.ndim == 5:
         rows, ncol = a.shape[:2]
@@ -22,15 +37,20 @@ def image_grid(images, nrow: int | None = None, titles=None, title: str | None =
     else:
         ncol = nrow or min(len(a), 10)
         rows = math.ceil(len(a) / ncol)
-    fig, axes = plt.subplots(rows, ncol, figsize=(size * ncol, size * rows), squeeze=False)
-    for k, ax in enumerate(axes.flat):
+    if titles is None:
+        fig, ax = plt.subplots(figsize=(size * ncol, size * rows + (0.4 if title else 0)))
+        ax.imshow(tile(a, ncol, fill=vmax if vmax is not None else float(a.max())), cmap=cmap, vmin=vmin, vmax=vmax)
         ax.axis("off")
-        if k < len(a):
-            img = a[k]
-            img = img[0] if img.shape[0] == 1 else np.transpose(img, (1, 2, 0))
-            ax.imshow(img, cmap=cmap, vmin=vmin, vmax=vmax)
-            if titles is not None and k < len(titles):
-                ax.set_title(str(titles[k]), fontsize=8)
+    else:
+        fig, axes = plt.subplots(rows, ncol, figsize=(size * ncol, size * rows), squeeze=False)
+        for k, ax in enumerate(axes.flat):
+            ax.axis("off")
+            if k < len(a):
+                img = a[k]
+                img = img[0] if img.shape[0] == 1 else np.transpose(img, (1, 2, 0))
+                ax.imshow(img, cmap=cmap, vmin=vmin, vmax=vmax)
+                if k < len(titles):
+                    ax.set_title(str(titles[k]), fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

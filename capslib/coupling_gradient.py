@@ -1,0 +1,458 @@
+"""The coupling-gradient argument of Gu & Tresp (2020, supplementary Appx. A and C; chapter 4).
+
+Dynamic routing makes the couplings ``c`` functions of the votes ``u_hat``. The
+gradient of a loss with respect to a vote therefore has two parts (their Eq. 1):
+a *direct* term, through ``s_j = sum_i c_ij u_hat_{j|i}`` with ``c`` held fixed,
+and a term *through the couplings*. Gu & Tresp argue the second term is small and
+drop it ("detached" routing). This module computes both terms by hand, measures
+their ratio on a model, summarises how polarized the couplings are, and turns a
+real autograd graph into a :mod:`networkx` graph that can be drawn.
+
+Shapes use the book's letters: ``B`` batch, ``I`` input capsules, ``J`` output
+capsules, ``D`` output capsule dimension.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+
+from . import profiles
+from .checks import check_positive_int, check_tensor
+from .ops import squash
+
+CHAPTER = "04_coupling_gradient_proof"
+
+# Sizes of chapter 4's experiments. `full` is Table 1 of Gu & Tresp's supplement
+# (batch 128, 100 epochs, Adam 1e-3, 3 iterations, reconstruction weight 0.0005) on
+# the network of Sabour et al. (their Fig. 1). The main pair of runs trains on
+# 28x28 digits; a second pair (`expanded_*`) trains on expanded MNIST (40x40,
+# shifted up to 6 px) for the affNIST-style test. `ci` shrinks both.
+profiles.register(
+    CHAPTER,
+    ci=dict(dataset="embedded", image_size=28, conv_channels=32, primary_types=8, primary_dim=8, digit_dim=16,
+            decoder=(128, 256), iterations=3, epochs=3, batch_size=32, lr=1e-3, recon_weight=0.0005,
+            probe_size=100, probe_every=25,
+            expanded_subset=2000, expanded_epochs=2, expanded_conv_channels=16, expanded_primary_types=4),
+    full=dict(dataset="mnist", image_size=28, conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
+              decoder=(512, 1024), iterations=3, epochs=100, batch_size=128, lr=1e-3, recon_weight=0.0005,
+              probe_size=500, probe_every=100,
+              expanded_subset=None, expanded_epochs=100, expanded_conv_channels=256, expanded_primary_types=32),
+)
+
+
+# ----------------------------------------------------------------------------- routing with a logit scale
+
+def _check_votes(u_hat):
+    check_tensor("u_hat", u_hat, dims=4, floating=True, shape_doc="(B, I, J, D)")
+
+
+def _check_grad_v(u_hat, grad_v):
+    check_tensor("grad_v", grad_v, dims=3, floating=True, shape_doc="(B, J, D)")
+    B, _, J, D = u_hat.shape
+    if tuple(grad_v.shape) != (B, J, D):
+        raise ValueError(f"grad_v must be (B, J, D) = ({B}, {J}, {D}) to match u_hat; got {tuple(grad_v.shape)}")
+
+
+def _check_scale(logit_scale):
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not logit_scale > 0:
+        raise ValueError(f"logit_scale must be a number > 0; got {logit_scale!r}")
+
+
+def scaled_routing(u_hat: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0, detach: bool = False):
+    """Dynamic routing with couplings ``c_i = softmax_j(lambda * b_i)`` (chapter 4).
+
+    With ``logit_scale`` ``lambda = 1`` this is :func:`capslib.dynamic_routing`
+    (Sabour et al. 2017, Procedure 1). A larger ``lambda`` sharpens the softmax, so
+    the couplings polarize towards 0 and 1: the knob chapter 4 turns to test
+    Gu & Tresp's Eq. 4-5. ``detach=True`` treats the couplings as constants.
+
+    Args:
+        u_hat: votes ``(B, I, J, D)``.
+
+    Returns:
+        ``(v (B, J, D), c (B, I, J))``.
+    """
+    _check_votes(u_hat)
+    check_positive_int("iterations", iterations)
+    _check_scale(logit_scale)
+    votes = u_hat.detach() if detach else u_hat
+    b = u_hat.new_zeros(u_hat.shape[:3])
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
+        for _ in range(iterations - 1):
+            c = torch.softmax(logit_scale * b, dim=2)
+            v = squash(torch.einsum("bij,bijd->bjd", c, votes))
+            b = b + torch.einsum("bijd,bjd->bij", votes, v)
+        c = torch.softmax(logit_scale * b, dim=2)
+    v = squash(torch.einsum("bij,bijd->bjd", c, u_hat))
+    return v, c
+
+
+# ----------------------------------------------------------------------------- Eq. 1 by hand
+
+def squash_vjp(s: torch.Tensor, grad_v: torch.Tensor) -> torch.Tensor:
+    """``(dv/ds)^T grad_v`` for ``v = squash(s)``, written out (Sabour et al. Eq. 1; chapter 4).
+
+    With ``n = ||s||`` the Jacobian is symmetric:
+    ``dv/ds = n/(1+n^2) I + (1-n^2)/(n (1+n^2)^2) s s^T``.
+
+    Args:
+        s: ``(..., D)`` pre-squash vectors (none of them zero).
+        grad_v: ``(..., D)``, the same shape.
+    """
+    check_tensor("s", s, min_dim=1, floating=True)
+    check_tensor("grad_v", grad_v, min_dim=1, floating=True)
+    if s.shape != grad_v.shape:
+        raise ValueError(f"grad_v must have the shape of s {tuple(s.shape)}; got {tuple(grad_v.shape)}")
+    n2 = (s * s).sum(-1, keepdim=True)
+    n = n2.sqrt()
+    a = n / (1 + n2)
+    k = (1 - n2) / (n.clamp_min(1e-30) * (1 + n2) ** 2)  # at s = 0: k s s^T = 0, like squash's derivative
+    return a * grad_v + k * s * (s * grad_v).sum(-1, keepdim=True)
+
+
+def _softmax_vjp(c: torch.Tensor, grad_c: torch.Tensor) -> torch.Tensor:
+    # dc_ij/db_ik = c_ij (delta_jk - c_ik)  ->  grad_b_ik = c_ik (grad_c_ik - sum_j c_ij grad_c_ij)
+    return c * (grad_c - (c * grad_c).sum(-1, keepdim=True))
+
+
+def gradient_terms(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0):
+    """The two terms of ``dL/du_hat`` (Gu & Tresp, supplement Eq. 1), without autograd (chapter 4).
+
+    ``grad_v = dL/dv`` at the routing output. The first term is the gradient with the
+    final couplings held constant, ``c_im^(K) (dv_m/ds_m)^T dL/dv_m``; the second is
+    everything that reaches ``u_hat`` because the couplings depend on it: the
+    softmax derivative (their Eq. 3) and the agreement updates of every earlier
+    iteration, unrolled by hand back to ``b = 0``.
+
+    Args:
+        u_hat: votes ``(B, I, J, D)``.
+        grad_v: ``(B, J, D)``.
+        iterations: ``K >= 1``; ``K = 1`` has uniform couplings and no second term.
+        logit_scale: ``lambda`` of :func:`scaled_routing`.
+
+    Returns:
+        ``(direct, through_couplings)``, each ``(B, I, J, D)``; their sum is the full
+        gradient and ``direct`` is the gradient of detached routing.
+    """
+    _check_votes(u_hat)
+    _check_grad_v(u_hat, grad_v)
+    check_positive_int("iterations", iterations)
+    _check_scale(logit_scale)
+    u = u_hat.detach()
+    gv = grad_v.detach()
+    lam = float(logit_scale)
+    # forward pass, keeping every intermediate
+    b = u.new_zeros(u.shape[:3])
+    cs, ss, vs = [], [], []
+    for t in range(iterations):
+        c = torch.softmax(lam * b, dim=2)                     # Eq. 2 (softmax of the logits)
+        s = torch.einsum("bij,bijd->bjd", c, u)               # s_j = sum_i c_ij u_hat_{j|i}
+        v = squash(s)
+        cs.append(c), ss.append(s), vs.append(v)
+        if t < iterations - 1:
+            b = b + torch.einsum("bijd,bjd->bij", u, v)        # B_ij += u_hat_{j|i} . v_j
+    # backward pass
+    K = iterations - 1
+    gs = squash_vjp(ss[K], gv)                                # (dv/ds)^T dL/dv, (B, J, D)
+    direct = cs[K].unsqueeze(-1) * gs.unsqueeze(1)            # Eq. 1, first term
+    through = torch.zeros_like(u)
+    gc = torch.einsum("bjd,bijd->bij", gs, u)                 # dL/dc_ij = gs_j . u_hat_{j|i}
+    gb = lam * _softmax_vjp(cs[K], gc)                        # Eq. 3: through the softmax
+    for t in range(K - 1, -1, -1):
+        # b^(t+1) = b^(t) + u_hat . v^(t): the logits' gradient reaches u_hat and v^(t)
+        through += gb.unsqueeze(-1) * vs[t].unsqueeze(1)
+        gvt = torch.einsum("bij,bijd->bjd", gb, u)
+        gst = squash_vjp(ss[t], gvt)
+        through += cs[t].unsqueeze(-1) * gst.unsqueeze(1)     # s^(t) = sum_i c^(t) u_hat
+        gct = torch.einsum("bjd,bijd->bij", gst, u)
+        gb = gb + lam * _softmax_vjp(cs[t], gct)              # b^(t) feeds the next logits and c^(t)
+    return direct, through
+
+
+def autograd_terms(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0):
+    """``(full, detached)`` gradients of ``sum(v * grad_v)`` with respect to ``u_hat`` by autograd.
+
+    The reference for :func:`gradient_terms` (chapter 4): ``full`` should equal
+    ``direct + through_couplings`` and ``detached`` should equal ``direct``.
+    """
+    _check_votes(u_hat)
+    _check_grad_v(u_hat, grad_v)
+    out = []
+    for detach in (False, True):
+        u = u_hat.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            v, _ = scaled_routing(u, iterations, logit_scale, detach=detach)
+            (g,) = torch.autograd.grad((v * grad_v.detach()).sum(), u)
+        out.append(g)
+    return tuple(out)
+
+
+def second_term_ratio(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3,
+                      logit_scale: float = 1.0) -> float:
+    """``||second term|| / ||full gradient||`` of Eq. 1 over the whole vote tensor (chapter 4)."""
+    direct, through = gradient_terms(u_hat, grad_v, iterations, logit_scale)
+    return float(through.norm() / (direct + through).norm().clamp_min(1e-30))
+
+
+def per_vote_comparison(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3,
+                        logit_scale: float = 1.0) -> dict:
+    """Per vote ``(b, i, m)``: the coupling ``c_im``, ``||second|| / ||full||`` and the cosine
+    between the full and the detached gradient (Gu & Tresp Eq. 4-5; chapter 4).
+
+    Returns a dict of flat tensors ``c``, ``ratio``, ``cosine`` of length ``B * I * J``.
+    """
+    direct, through = gradient_terms(u_hat, grad_v, iterations, logit_scale)
+    _, c = scaled_routing(u_hat.detach(), iterations, logit_scale)
+    full = direct + through
+    fn = full.norm(dim=-1)
+    ratio = through.norm(dim=-1) / fn.clamp_min(1e-30)
+    cos = (full * direct).sum(-1) / (fn * direct.norm(dim=-1)).clamp_min(1e-30)
+    return {"c": c.flatten(), "ratio": ratio.flatten(), "cosine": cos.flatten()}
+
+
+# ----------------------------------------------------------------------------- polarization
+
+def polarization(c: torch.Tensor, high: float = 0.9, low: float = 0.1) -> dict:
+    """How polarized couplings ``c (B, I, J)`` are (Gu & Tresp, discussion of Eq. 4-5; chapter 4).
+
+    Returns ``entropy`` (mean over ``b, i`` of ``-sum_j c_ij ln c_ij``, nats),
+    ``max_entropy`` (``ln J``, the uniform row), ``frac_high`` (share of ``c_ij > high``),
+    ``frac_low`` (share below ``low``) and ``frac_polarized`` (their sum). Note that with
+    ``J = 10`` the uniform coupling is exactly 0.1.
+    """
+    check_tensor("c", c, dims=3, floating=True, shape_doc="(B, I, J)")
+    if not 0 <= low < high <= 1:
+        raise ValueError(f"need 0 <= low < high <= 1; got low={low}, high={high}")
+    c = c.detach()
+    ent = -(c * c.clamp_min(1e-30).log()).sum(-1).mean()
+    fh = float((c > high).float().mean())
+    fl = float((c < low).float().mean())
+    return {"entropy": float(ent), "max_entropy": math.log(c.shape[-1]), "frac_high": fh, "frac_low": fl,
+            "frac_polarized": fh + fl}
+
+
+# ----------------------------------------------------------------------------- on a model
+
+def _default_loss(recon_weight: float):
+    from .models import capsnet_loss
+
+    def loss_fn(model, x, y):
+        out = model(x, y)
+        return capsnet_loss(out, x, y, recon_weight), out.lengths
+    return loss_fn
+
+
+def digit_gradients(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None = None,
+                    recon_weight: float = 0.0005) -> dict:
+    """Gradients of the loss for the DigitCaps weights ``W (I, J, D_out, D_in)`` with full and
+    with detached routing, on the same batch (chapter 4).
+
+    ``model`` is a :class:`capslib.models.CapsNet` (anything with ``model.digit.W`` and
+    ``model.digit.detach``); its ``detach`` flag is restored and its ``.grad`` fields are
+    left untouched. Returns ``full``, ``detached`` (tensors like ``W``), ``rel_diff``
+    ``= ||g_full - g_det|| / ||g_full||``, ``cosine``, ``couplings`` (``(B, I, J)``).
+    """
+    digit = getattr(model, "digit", None)
+    if digit is None or not hasattr(digit, "W") or not hasattr(digit, "detach"):
+        raise TypeError("model must have a DenseCaps `digit` with attributes `W` and `detach` (a CapsNet)")
+    loss_fn = loss_fn or _default_loss(recon_weight)
+    was, was_training = digit.detach, model.training
+    grads, couplings = {}, None
+    try:
+        model.eval()
+        for name, flag in (("full", False), ("detached", True)):
+            digit.detach = flag
+            with torch.enable_grad():
+                if couplings is None:
+                    out = model(x, y)
+                    couplings = out.couplings.detach()
+                loss, _ = loss_fn(model, x, y)
+                (g,) = torch.autograd.grad(loss, digit.W)
+            grads[name] = g.detach().double()
+    finally:
+        digit.detach = was
+        model.train(was_training)
+    gf, gd = grads["full"], grads["detached"]
+    rel = float((gf - gd).norm() / gf.norm().clamp_min(1e-30))
+    cos = float((gf * gd).sum() / (gf.norm() * gd.norm()).clamp_min(1e-30))
+    return {"full": gf, "detached": gd, "rel_diff": rel, "cosine": cos, "couplings": couplings}
+
+
+class CouplingProbe:
+    """Measures, on a fixed probe batch, the relative gradient difference of the DigitCaps
+    weights and the coupling polarization while :func:`capslib.train.fit` trains (chapter 4).
+
+    Pass ``before_step=probe.before_step`` and ``on_epoch_end=probe.on_epoch_end``.
+    Every ``every`` steps (and at step 0) it records ``step``, ``rel_diff``, ``cosine``,
+    ``entropy``, ``frac_high``, ``frac_low``; at each epoch end it appends one entry to
+    ``by_epoch`` (the first entry, epoch 0, is the untrained network; call :meth:`start`
+    first). The time its step-wise measurements take inside each epoch is kept in
+    ``seconds_by_epoch``, so that training time can be told apart from probing time.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, every: int = 16, recon_weight: float = 0.0005):
+        check_tensor("x", x, dims=4, floating=True, shape_doc="(B, C, H, W)")
+        check_positive_int("every", every)
+        self.x, self.y, self.every, self.recon_weight = x, y, every, recon_weight
+        self.step = 0
+        self.trace = {k: [] for k in ("step", "rel_diff", "cosine", "entropy", "frac_high", "frac_low")}
+        self.by_epoch = {k: [] for k in ("epoch", "rel_diff", "cosine", "entropy", "frac_high", "frac_low")}
+        self.seconds_by_epoch: list[float] = []
+        self._secs = 0.0
+
+    def measure(self, model) -> dict:
+        g = digit_gradients(model, self.x, self.y, recon_weight=self.recon_weight)
+        p = polarization(g["couplings"])
+        return {"rel_diff": g["rel_diff"], "cosine": g["cosine"], "entropy": p["entropy"],
+                "frac_high": p["frac_high"], "frac_low": p["frac_low"]}
+
+    def _log(self, model, where: dict, key) -> None:
+        t0 = time.perf_counter()
+        m = self.measure(model)
+        where[key].append(self.step if key == "step" else len(where[key]))
+        for k, val in m.items():
+            where[k].append(val)
+        self._secs += time.perf_counter() - t0
+
+    def before_step(self, model, optimizer) -> None:
+        if self.step % self.every == 0:
+            self._log(model, self.trace, "step")
+        self.step += 1
+
+    def on_epoch_end(self, epoch, model, history) -> None:
+        if not self.by_epoch["epoch"]:
+            raise RuntimeError("call probe.start(model) before training so that epoch 0 is recorded")
+        self.seconds_by_epoch.append(self._secs)  # probe time inside fit's timed loop
+        self._log(model, self.by_epoch, "epoch")
+        self._secs = 0.0
+
+    def start(self, model) -> None:
+        """Record epoch 0 (the network before any step)."""
+        self._log(model, self.by_epoch, "epoch")
+        self._secs = 0.0
+
+
+# ----------------------------------------------------------------------------- autograd graphs
+
+def _short(fn) -> str:
+    name = type(fn).__name__
+    for tail in ("Backward0", "Backward1", "Backward"):
+        if name.endswith(tail):
+            return name[: -len(tail)]
+    return name
+
+
+# ops that only move or copy memory; `simplify=True` contracts them away
+SHAPE_OPS = frozenset({"View", "UnsafeView", "Permute", "Clone", "Unsqueeze", "Squeeze", "Expand", "Reshape",
+                       "Transpose", "T", "Alias"})
+
+
+def autograd_graph(output: torch.Tensor, inputs: dict | None = None, output_name: str = "v",
+                   simplify: bool = True):
+    """The backward graph of ``output`` as a :class:`networkx.DiGraph`, drawn forward (chapter 4;
+    Gu & Tresp Appx. C, Fig. 2-3).
+
+    Walks ``output.grad_fn`` and ``next_functions``. Nodes are autograd functions
+    (attribute ``label``: the op name without ``Backward0``; ``kind``: ``"op"``,
+    ``"input"`` for a leaf named in ``inputs``, ``"leaf"`` otherwise, ``"output"``).
+    An edge ``a -> b`` means ``a``'s result feeds ``b`` in the forward pass, so a
+    gradient flows from ``b`` back to ``a``.
+
+    Args:
+        output: a tensor with a ``grad_fn``.
+        inputs: ``{name: leaf tensor}`` to label the leaves (e.g. ``{"û": u_hat}``).
+        simplify: contract the memory-only ops of :data:`SHAPE_OPS` (views, permutes,
+            clones that ``einsum`` adds): every path between the remaining nodes is kept.
+    """
+    import networkx as nx
+
+    check_tensor("output", output)
+    if output.grad_fn is None:
+        raise ValueError("output has no grad_fn: compute it from tensors that require grad")
+    names = {id(t): n for n, t in (inputs or {}).items()}
+    G = nx.DiGraph()
+    out_node = ("output", output_name)
+    G.add_node(out_node, label=output_name, kind="output")
+    seen, stack = set(), [output.grad_fn]
+    G.add_edge(id(output.grad_fn), out_node)
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            label = names.get(id(var), "leaf")
+            G.add_node(id(fn), label=label, kind="input" if id(var) in names else "leaf")
+        else:
+            G.add_node(id(fn), label=_short(fn), kind="op")
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                G.add_edge(id(nxt), id(fn))
+                stack.append(nxt)
+    if simplify:
+        for n in [n for n, d in G.nodes(data=True) if d["kind"] == "op" and d["label"] in SHAPE_OPS]:
+            G.add_edges_from((a, b) for a in G.predecessors(n) for b in G.successors(n))
+            G.remove_node(n)
+    return G
+
+
+def nodes_labelled(G, text: str) -> list:
+    """Nodes of ``G`` whose label contains ``text``."""
+    return [n for n, d in G.nodes(data=True) if text in d["label"]]
+
+
+def coupling_paths(G, source: str = "û", via: str = "Softmax") -> int:
+    """How many ``via`` nodes (the softmax that makes ``c``) lie on a forward path from the
+    input labelled ``source``: 0 means no gradient can flow from ``c`` back to ``û`` (chapter 4)."""
+    import networkx as nx
+
+    srcs = nodes_labelled(G, source)
+    if not srcs:
+        raise ValueError(f"no node labelled {source!r} in the graph")
+    return sum(1 for n in nodes_labelled(G, via) if any(nx.has_path(G, s, n) for s in srcs))
+
+
+_COLORS = {"input": "#4c9f70", "output": "#c0392b", "leaf": "#95a5a6", "softmax": "#e67e22", "op": "#aed6f1"}
+
+
+def draw_graph(G, ax=None, title: str | None = None, font_size: float = 6.5):
+    """Draw :func:`autograd_graph`'s graph left to right in topological layers (chapter 4).
+
+    Positions come from :func:`networkx.multipartite_layout` over the graph's
+    topological generations; softmax nodes (where the couplings are made) are orange.
+    Returns the matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+    import networkx as nx
+
+    for layer, nodes in enumerate(nx.topological_generations(G)):
+        for n in nodes:
+            G.nodes[n]["layer"] = layer
+    pos = nx.multipartite_layout(G, subset_key="layer", align="vertical")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * (layer + 1)), 4.0))
+    else:
+        fig = ax.figure
+
+    def color(d):
+        return _COLORS["softmax"] if "Softmax" in d["label"] else _COLORS[d["kind"]]
+
+    near = [(a, b) for a, b in G.edges if G.nodes[b]["layer"] - G.nodes[a]["layer"] == 1]
+    far = [(a, b) for a, b in G.edges if G.nodes[b]["layer"] - G.nodes[a]["layer"] > 1]
+    nx.draw_networkx_edges(G, pos, edgelist=near, ax=ax, arrows=True, arrowsize=7, width=0.7,
+                           edge_color="#555555", node_size=420)
+    # edges that skip layers are drawn as arcs so that they do not hide behind the chain
+    nx.draw_networkx_edges(G, pos, edgelist=far, ax=ax, arrows=True, arrowsize=7, width=0.7,
+                           edge_color="#2e86c1", node_size=420, connectionstyle="arc3,rad=-0.25")
+    nx.draw_networkx_nodes(G, pos, ax=ax, node_size=420, node_color=[color(d) for _, d in G.nodes(data=True)],
+                           edgecolors="#333333", linewidths=0.5)
+    nx.draw_networkx_labels(G, pos, labels={n: d["label"] for n, d in G.nodes(data=True)}, ax=ax,
+                            font_size=font_size)
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title)
+    return fig

@@ -1,0 +1,137 @@
+"""Tests of capslib.coupling_gradient (chapter 4)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import capslib
+from capslib import coupling_gradient as cg
+from capslib import models
+
+
+def _votes(B=2, I=7, J=4, D=3, scale=0.6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = scale * torch.randn(B, I, J, D, generator=g, dtype=torch.float64)
+    gv = torch.randn(B, J, D, generator=g, dtype=torch.float64)
+    return u, gv
+
+
+def test_scaled_routing_is_dynamic_routing_at_scale_one():
+    u, _ = _votes()
+    for K in (1, 2, 4):
+        for detach in (False, True):
+            v1, c1 = cg.scaled_routing(u, K, 1.0, detach=detach)
+            v2, c2 = capslib.dynamic_routing(u, K, detach=detach)
+            torch.testing.assert_close(v1, v2)
+            torch.testing.assert_close(c1, c2)
+
+
+@settings(max_examples=10, deadline=None)
+@given(B=st.integers(1, 3), I=st.integers(1, 9), J=st.integers(1, 5), D=st.integers(1, 4),
+       K=st.integers(1, 4), lam=st.sampled_from([0.5, 1.0, 3.0]))
+def test_gradient_terms_match_autograd(B, I, J, D, K, lam):
+    u, gv = _votes(B, I, J, D, seed=B * 1000 + I * 100 + J * 10 + D)
+    direct, through = cg.gradient_terms(u, gv, K, lam)
+    full, detached = cg.autograd_terms(u, gv, K, lam)
+    torch.testing.assert_close(direct, detached, rtol=0, atol=1e-8)
+    torch.testing.assert_close(direct + through, full, rtol=0, atol=1e-8)
+
+
+def test_one_iteration_has_no_second_term():
+    u, gv = _votes()
+    _, through = cg.gradient_terms(u, gv, 1)
+    assert float(through.abs().max()) == 0.0
+    assert cg.second_term_ratio(u, gv, 1) == 0.0
+
+
+def test_second_term_vanishes_when_couplings_saturate():
+    u, gv = _votes(J=5, seed=3)
+    assert cg.second_term_ratio(u, gv, 3, 1.0) > 0.05
+    assert cg.second_term_ratio(u, gv, 3, 1e4) < 1e-6
+
+
+def test_squash_vjp_gradcheck_and_zero():
+    s = torch.randn(3, 5, dtype=torch.float64)
+    gv = torch.randn(3, 5, dtype=torch.float64)
+    s_ = s.clone().requires_grad_(True)
+    (auto,) = torch.autograd.grad((capslib.squash(s_) * gv).sum(), s_)
+    torch.testing.assert_close(cg.squash_vjp(s, gv), auto, rtol=1e-10, atol=1e-12)
+    z = torch.zeros(2, 4, dtype=torch.float64)
+    assert torch.equal(cg.squash_vjp(z, torch.ones_like(z)), torch.zeros_like(z))
+
+
+def test_routing_gradcheck_float64():
+    u, _ = _votes(1, 4, 3, 2)
+    u.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: cg.scaled_routing(x, 3, 2.0)[0], (u,))
+
+
+def test_polarization_extremes():
+    J = 10
+    uniform = torch.full((2, 5, J), 1.0 / J)
+    p = cg.polarization(uniform)
+    assert p["entropy"] == pytest.approx(math.log(J), rel=1e-6)
+    assert p["frac_high"] == 0.0
+    onehot = torch.nn.functional.one_hot(torch.randint(0, J, (2, 5)), J).float()
+    q = cg.polarization(onehot)
+    assert q["entropy"] == pytest.approx(0.0, abs=1e-6)
+    assert q["frac_high"] == pytest.approx(0.1)
+    assert q["frac_low"] == pytest.approx(0.9)
+    assert q["frac_polarized"] == pytest.approx(1.0)
+
+
+def test_digit_gradients_and_probe():
+    torch.manual_seed(0)
+    net = models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,),
+                         iterations=3)
+    x, y = torch.rand(6, 1, 28, 28), torch.randint(0, 10, (6,))
+    g = cg.digit_gradients(net, x, y)
+    assert net.digit.detach is False and net.digit.W.grad is None
+    assert g["full"].shape == net.digit.W.shape and 0 < g["rel_diff"]
+    assert -1 <= g["cosine"] <= 1 and g["couplings"].shape == (6, net.digit.in_caps, 10)
+    net.digit.detach = True
+    assert cg.digit_gradients(net, x, y)["rel_diff"] == pytest.approx(g["rel_diff"])
+    assert net.digit.detach is True
+    probe = cg.CouplingProbe(x, y, every=2)
+    probe.start(net)
+    for _ in range(3):
+        probe.before_step(net, None)
+    probe.on_epoch_end(0, net, {})
+    assert probe.trace["step"] == [0, 2]
+    assert probe.by_epoch["epoch"] == [0, 1] and len(probe.seconds_by_epoch) == 1
+
+
+def test_graphs_show_the_coupling_path():
+    u = torch.randn(1, 4, 3, 2, requires_grad=True)
+    for detach, expected in ((False, 1), (True, 0)):
+        v, _ = capslib.dynamic_routing(u, 2, detach=detach)
+        G = cg.autograd_graph(v, {"û": u})
+        assert cg.coupling_paths(G) == expected
+        assert len(cg.nodes_labelled(G, "û")) == 1
+        assert not any(d["label"] in cg.SHAPE_OPS for _, d in G.nodes(data=True))
+    raw = cg.autograd_graph(capslib.dynamic_routing(u, 3)[0], {"û": u}, simplify=False)
+    assert cg.coupling_paths(raw) == 2
+    import matplotlib
+    matplotlib.use("Agg")
+    fig = cg.draw_graph(G, title="t")
+    assert fig.axes
+
+
+def test_bad_inputs():
+    u, gv = _votes()
+    with pytest.raises(ValueError, match=r"u_hat must be \(B, I, J, D\)"):
+        cg.gradient_terms(u[0], gv)
+    with pytest.raises(ValueError, match="grad_v must be"):
+        cg.gradient_terms(u, gv[:, :2])
+    with pytest.raises(ValueError, match="logit_scale"):
+        cg.scaled_routing(u, 3, 0.0)
+    with pytest.raises(TypeError, match="iterations"):
+        cg.gradient_terms(u, gv, 2.5)
+    with pytest.raises(ValueError, match=r"c must be \(B, I, J\)"):
+        cg.polarization(torch.rand(3, 4))
+    with pytest.raises(ValueError, match="no grad_fn"):
+        cg.autograd_graph(torch.zeros(3))
+    with pytest.raises(TypeError, match="DenseCaps"):
+        cg.digit_gradients(torch.nn.Linear(2, 2), torch.rand(1, 2), torch.zeros(1, dtype=torch.long))

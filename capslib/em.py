@@ -17,7 +17,12 @@ Numerical choices (all stated in chapter 5):
   activations and huge votes stay finite (with all activations 0 the parent's
   mean is the plain mean of its votes);
 * the inverse temperature rises on a fixed schedule,
-  ``lambda_t = final_lambda * (t + 1) / iterations`` for ``t = 0 .. iterations - 1``.
+  ``lambda_t = final_lambda * (t + 1) / iterations`` for ``t = 0 .. iterations - 1``;
+* a deliberate change to Procedure 1 (default ``normalize="mean"``): the amount of data
+  ``sum_i r'_ij`` in the cost is divided by the number of children ``I``, so the cost does
+  not grow with ``I`` and ``lambda`` of order 1 suits every layer and input size (after
+  Gritzman 2019, "Avoiding implementation pitfalls of matrix capsule networks with EM
+  routing", pitfall 2); ``normalize="none"`` runs the printed rule.
 """
 from __future__ import annotations
 
@@ -31,23 +36,28 @@ from torch import nn
 from . import profiles
 from .checks import check_positive_int, check_tensor
 
-FINAL_LAMBDA = 0.03   # lambda of the last routing iteration (the paper gives no value; chapter 5)
+FINAL_LAMBDA = 1.0    # lambda of the last routing iteration, for normalised costs (the paper gives no value)
+LITERAL_FINAL_LAMBDA = 0.03   # a workable lambda for the literal (unnormalised) cost at the ci network's scale
+NORMALIZE = "mean"    # how the M-step's cost is scaled before the sigmoid: "mean", "none" or "std"
+NORMALIZATIONS = ("mean", "none", "std")
+W_INIT_STD = 0.02     # transformation matrices start at identity + W_INIT_STD * N(0, 1) (chapter 5)
+STD_EPS = 1e-4        # inside the square root of the standard deviation of the costs
 VAR_FLOOR = 1e-4      # added to every sigma_h^2
 EPS = 1e-6            # floor of every sum of assignments sum_i r'_ij
 
 profiles.register(
     "05_em_routing",
-    # CPU, embedded MNIST (28x28): a tiny network (A = 16, B = C = D = 4) trained on a subset,
-    # so that three trainings (1, 2 and 3 routing iterations) fit the chapter's time budget.
-    ci=dict(dataset="embedded", A=16, B=4, C=4, D=4, iterations=3, train_subset=1200, epochs=3, batch_size=16,
-            lr=3e-3, lr_decay=None, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, compare_iterations=(1, 2, 3),
-            hist_images=16, affine_size=40),
+    # CPU, embedded MNIST (28x28): a tiny network (A = 16, B = C = D = 4) trained on all 4000
+    # embedded images for 3 epochs; the 1/2/3-iteration comparison uses 1 epoch each (time budget).
+    ci=dict(dataset="embedded", A=16, B=4, C=4, D=4, iterations=3, train_subset=None, epochs=3, batch_size=32,
+            lr=2e-3, lr_decay=None, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
+            init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, hist_images=16, affine_size=40),
     # The paper's network (Sec. 5, Fig. 1): A = B = C = D = 32, K = 3, 3 routing iterations,
     # spread loss with the margin raised linearly from 0.2 to 0.9, Adam; on full MNIST here
     # (smallNORB when its files are present: capslib.data.smallnorb()).
     full=dict(dataset="mnist", A=32, B=32, C=32, D=32, iterations=3, train_subset=None, epochs=50, batch_size=32,
-              lr=3e-3, lr_decay=0.96, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, compare_iterations=(1, 2, 3),
-              hist_images=64, affine_size=40),
+              lr=3e-3, lr_decay=0.96, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
+              init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=50, hist_images=64, affine_size=40),
 )
 
 
@@ -86,7 +96,7 @@ class EMState(NamedTuple):
 
 
 def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e_step, trace=None,
-        detach=False):
+        detach=False, normalize="mean"):
     """EM routing on votes laid out ``Vt (B, J, I, H)``; returns ``mu (B, J, H)``, ``a' (B, J)``,
     ``R (B, J, I)``.
 
@@ -107,6 +117,7 @@ def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e
     shift = Vt.mean(dim=2, keepdim=True)                       # (B, J, 1, H)
     V = Vt - shift
     V2 = V * V
+    VV = torch.cat([V, V2], dim=-1)                            # one matrix product per step reads both
     a = a.unsqueeze(1)                                         # (B, 1, I)
     R = Vt.new_full((B, J, I), 1.0 / J)                        # Procedure 1, line 1
     for t, lam in enumerate(inverse_temperatures(iterations, final_lambda)):
@@ -115,33 +126,61 @@ def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e
         grad = not detach or t == iterations - 1
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             mu, sigma2, logit, R = _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps,
-                                             t < iterations - 1 or final_e_step)
+                                             t < iterations - 1 or final_e_step, normalize, VV)
         if trace is not None:
             trace.append(EMState(mu + shift.squeeze(2), sigma2, torch.sigmoid(logit), R.transpose(1, 2)))
     return mu + shift.squeeze(2), torch.sigmoid(logit), R
 
 
-def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step):
-    """One M-step and (if ``do_e_step``) one E-step on centred votes ``V (B, J, I, H)``."""
+def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="mean", VV=None):
+    """One M-step and (if ``do_e_step``) one E-step on centred votes ``V (B, J, I, H)``.
+
+    ``VV`` is ``cat([V, V2], -1)`` when the caller has it: then each step reads the vote
+    tensor with a single batched matrix product instead of two.
+    """
+    H = V.shape[-1]
     # M-step
     rp = R * a                                             # r'_ij = R_ij a_i
     rsum = rp.sum(dim=2)                                   # sum_i r'_ij          (B, J)
     denom = rsum.clamp_min(eps)                            # = sum_i r'_ij unless it is below eps
     w = rp / denom.unsqueeze(-1)
     s = (rsum / denom).unsqueeze(-1)                       # sum_i w_ij: 1, or < 1 when sum_i r'_ij < eps
-    mu = torch.einsum("bji,bjih->bjh", w, V)               # mu_jh (centred)
-    ex2 = torch.einsum("bji,bjih->bjh", w, V2)
+    if VV is None:
+        mu = torch.einsum("bji,bjih->bjh", w, V)           # mu_jh (centred)
+        ex2 = torch.einsum("bji,bjih->bjh", w, V2)
+    else:
+        mu, ex2 = torch.einsum("bji,bjih->bjh", w, VV).split(H, dim=-1)
     sigma2 = (ex2 - (2.0 - s) * mu * mu).clamp_min(0.0) + var_floor
-    cost = (bu.unsqueeze(-1) + 0.5 * torch.log(sigma2)) * rsum.unsqueeze(-1)
-    logit = lam * (ba - cost.sum(dim=-1))                  # a'_j = sigmoid(logit_j)
+    amount = rsum / V.shape[2] if normalize == "mean" else rsum   # Eq. ch5-costnorm: sum_i r'_ij / I
+    cost = ((bu.unsqueeze(-1) + 0.5 * torch.log(sigma2)) * amount.unsqueeze(-1)).sum(dim=-1)   # sum_h cost_jh
+    if normalize == "std":
+        cost = standardize_cost(cost)
+    logit = lam * (ba - cost)                              # a'_j = sigmoid(logit_j)
     # E-step, in log space
     if do_e_step:
         q = 0.5 / sigma2
-        quad = (torch.einsum("bjih,bjh->bji", V2, q) - 2.0 * torch.einsum("bjih,bjh->bji", V, mu * q)
-                + (mu * mu * q).sum(dim=-1, keepdim=True))
+        if VV is None:
+            quad = torch.einsum("bjih,bjh->bji", V2, q) - 2.0 * torch.einsum("bjih,bjh->bji", V, mu * q)
+        else:
+            quad = torch.einsum("bjih,bjh->bji", VV, torch.cat([-2.0 * mu * q, q], dim=-1))
+        quad = quad + (mu * mu * q).sum(dim=-1, keepdim=True)
         logp = -quad - 0.5 * torch.log(2.0 * math.pi * sigma2).sum(dim=-1, keepdim=True)
         R = torch.softmax(F.logsigmoid(logit).unsqueeze(-1) + logp, dim=1)
     return mu, sigma2, logit, R
+
+
+def standardize_cost(cost: torch.Tensor, eps: float = STD_EPS) -> torch.Tensor:
+    """``(cost - mean_j cost) / sqrt(var_j cost + eps)`` over the parents ``J`` of ``cost (B, J)`` (chapter 5,
+    Eq. ch5-actnorm).
+
+    The book's deliberate change to Procedure 1: ``sum_h cost_jh`` grows with the number of
+    children ``sum_i r'_ij`` and with ``H``, so the literal ``sigmoid(lambda (beta_a - cost))`` needs a
+    tiny ``lambda`` that changes with the layer; standardised over the competing parents, the
+    cost has mean 0 and spread 1 in every layer and ``lambda`` of order 1 works. ``eps`` inside
+    the square root keeps the gradient finite when all parents cost the same (e.g. ``J = 1``).
+    """
+    centred = cost - cost.mean(dim=-1, keepdim=True)
+    return centred / torch.sqrt(centred.square().mean(dim=-1, keepdim=True) + eps)
 
 
 def _check_em_inputs(votes, activations, iterations):
@@ -153,9 +192,14 @@ def _check_em_inputs(votes, activations, iterations):
     check_positive_int("iterations", iterations)
 
 
+def _check_normalize(normalize):
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}")
+
+
 def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, iterations: int = 3,
                final_lambda: float = FINAL_LAMBDA, var_floor: float = VAR_FLOOR, eps: float = EPS,
-               detach: bool = False):
+               detach: bool = False, normalize: str = NORMALIZE):
     """EM routing of Hinton, Sabour & Frosst 2018, Procedure 1 (chapter 5, Eq. ch5-rprime to ch5-estep).
 
     ``R`` starts uniform (``1/J``); each of ``iterations`` rounds runs
@@ -163,7 +207,12 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
     * the M-step: ``r'_ij = R_ij a_i``, ``mu_jh = sum_i r'_ij V_ijh / sum_i r'_ij``,
       ``sigma_jh^2 = sum_i r'_ij (V_ijh - mu_jh)^2 / sum_i r'_ij + var_floor``,
       ``cost_jh = (beta_u + log sigma_jh) sum_i r'_ij``,
-      ``a'_j = sigmoid(lambda_t (beta_a - sum_h cost_jh))``;
+      ``a'_j = sigmoid(lambda_t (beta_a - sum_h cost_jh))``, where with ``normalize="mean"`` (the
+      book's default, Eq. ch5-costnorm) the amount of data ``sum_i r'_ij`` in the cost is divided
+      by the number of children ``I``, so the cost does not grow with ``I`` and one ``lambda`` of
+      order 1 serves every layer; ``normalize="none"`` is Procedure 1 as printed (then use a small
+      ``final_lambda`` such as ``LITERAL_FINAL_LAMBDA``); ``normalize="std"`` standardises the
+      summed costs over the parents (:func:`standardize_cost`);
     * the E-step, in log space:
       ``log p_ij = -sum_h [(V_ijh - mu_jh)^2 / (2 sigma_jh^2) + log(2 pi sigma_jh^2) / 2]``,
       ``R_ij = softmax_j(log a'_j + log p_ij)``;
@@ -179,6 +228,7 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
         iterations: routing iterations ``>= 1``.
         final_lambda: the limit of the inverse-temperature schedule.
         var_floor: added to every variance; eps: the floor of every ``sum_i r'_ij`` that divides.
+        normalize: ``"mean"``, ``"none"`` or ``"std"``: how the cost is scaled (see above).
         detach: if True, the assignments that enter the last M-step are constants for
             back-propagation (the idea of Gu & Tresp, chapter 4, carried over to EM):
             the gradient reaches the votes and activations only through that M-step.
@@ -189,13 +239,15 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
         the last M-step, as Procedure 1 leaves them.
     """
     _check_em_inputs(votes, activations, iterations)
+    _check_normalize(normalize)
     mu, act, R = _em(votes.transpose(1, 2).contiguous(), activations, beta_u, beta_a, iterations,
-                     final_lambda, var_floor, eps, final_e_step=True, detach=detach)
+                     final_lambda, var_floor, eps, final_e_step=True, detach=detach, normalize=normalize)
     return mu, act, R.transpose(1, 2)
 
 
 def em_trace(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, iterations: int = 3,
-             final_lambda: float = FINAL_LAMBDA, var_floor: float = VAR_FLOOR, eps: float = EPS) -> list[EMState]:
+             final_lambda: float = FINAL_LAMBDA, var_floor: float = VAR_FLOOR, eps: float = EPS,
+             normalize: str = NORMALIZE) -> list[EMState]:
     """Every iteration of :func:`em_routing` (for figures such as the paper's Fig. 2; chapter 5).
 
     Returns a list of ``iterations`` :class:`EMState` ``(mu, sigma2, a, R)`` with ``R (B, I, J)``
@@ -203,10 +255,11 @@ def em_trace(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, ite
     :func:`em_routing`'s result. Runs without a graph.
     """
     _check_em_inputs(votes, activations, iterations)
+    _check_normalize(normalize)
     out: list[EMState] = []
     with torch.no_grad():
         _em(votes.transpose(1, 2).contiguous(), activations, beta_u, beta_a, iterations, final_lambda,
-            var_floor, eps, True, trace=out)
+            var_floor, eps, True, trace=out, normalize=normalize)
     return out
 
 
@@ -304,13 +357,17 @@ class MatrixCaps(nn.Module):
     """
 
     def __init__(self, in_types: int, out_types: int, weight_rows: int, iterations: int = 3, pose: int = 4,
-                 final_lambda: float = FINAL_LAMBDA, init_std: float = 0.1, detach: bool = False):
+                 final_lambda: float = FINAL_LAMBDA, init_std: float = W_INIT_STD, detach: bool = False,
+                 normalize: str = NORMALIZE):
         super().__init__()
         for name, v in [("in_types", in_types), ("out_types", out_types), ("iterations", iterations), ("pose", pose)]:
             check_positive_int(name, v)
         self.in_types, self.out_types, self.p = in_types, out_types, pose
         self.iterations, self.final_lambda, self.detach = iterations, final_lambda, detach
+        _check_normalize(normalize)
+        self.normalize = normalize
         self.W = nn.Parameter(torch.eye(pose) + init_std * torch.randn(weight_rows, out_types, pose, pose))
+        self.init_std = init_std
         self.beta_u = nn.Parameter(torch.zeros(out_types))
         self.beta_a = nn.Parameter(torch.zeros(out_types))
 
@@ -323,7 +380,8 @@ class MatrixCaps(nn.Module):
         if getattr(self, "_calibrating", False):
             self._calibrate(votes.reshape(N, J, I, -1), a)
         mu, act, _ = _em(votes.reshape(N, J, I, -1), a, self.beta_u, self.beta_a, iterations or self.iterations,
-                         self.final_lambda, VAR_FLOOR, EPS, final_e_step=False, detach=self.detach)
+                         self.final_lambda, VAR_FLOOR, EPS, final_e_step=False, detach=self.detach,
+                         normalize=self.normalize)
         return mu.view(N, J, self.p, self.p), act
 
     @torch.no_grad()
@@ -333,7 +391,8 @@ class MatrixCaps(nn.Module):
         R = Vt.new_full((B, J, I), 1.0 / J)
         V = Vt - Vt.mean(dim=2, keepdim=True)
         zero = Vt.new_zeros(())
-        _, sigma2, _, _ = _em_round(V, V * V, a.unsqueeze(1), R, zero, zero, 1.0, VAR_FLOOR, EPS, False)
+        _, sigma2, _, _ = _em_round(V, V * V, a.unsqueeze(1), R, zero, zero, 1.0, VAR_FLOOR, EPS, False,
+                                    self.normalize)
         self.beta_u.copy_(-0.5 * torch.log(sigma2).mean(dim=(0, 2)))
         self.beta_a.zero_()
 
@@ -356,11 +415,12 @@ class ConvCaps(MatrixCaps):
     """
 
     def __init__(self, in_types: int, out_types: int, kernel_size: int = 3, stride: int = 1, iterations: int = 3,
-                 pose: int = 4, final_lambda: float = FINAL_LAMBDA, detach: bool = False):
+                 pose: int = 4, final_lambda: float = FINAL_LAMBDA, detach: bool = False, normalize: str = NORMALIZE,
+                 init_std: float = W_INIT_STD):
         check_positive_int("kernel_size", kernel_size)
         check_positive_int("stride", stride)
         super().__init__(in_types, out_types, kernel_size * kernel_size * in_types, iterations, pose, final_lambda,
-                         detach=detach)
+                         init_std=init_std, detach=detach, normalize=normalize)
         self.k, self.s = kernel_size, stride
 
     def forward(self, pose: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
@@ -394,8 +454,10 @@ class ClassCaps(MatrixCaps):
     """
 
     def __init__(self, in_types: int, classes: int = 10, iterations: int = 3, pose: int = 4,
-                 final_lambda: float = FINAL_LAMBDA, coordinate_addition: bool = True, detach: bool = False):
-        super().__init__(in_types, classes, in_types, iterations, pose, final_lambda, detach=detach)
+                 final_lambda: float = FINAL_LAMBDA, coordinate_addition: bool = True, detach: bool = False,
+                 normalize: str = NORMALIZE, init_std: float = W_INIT_STD):
+        super().__init__(in_types, classes, in_types, iterations, pose, final_lambda, init_std=init_std,
+                         detach=detach, normalize=normalize)
         self.coordinate_addition = coordinate_addition
 
     def votes(self, pose: torch.Tensor, a: torch.Tensor):
@@ -430,7 +492,7 @@ class EMOutput(NamedTuple):
 class EMCapsNet(nn.Module):
     """The matrix-capsule network of Hinton et al. 2018, Fig. 1 (chapter 5).
 
-    ReLU Conv1 (``A`` channels, 5x5, stride 2) -> PrimaryCaps (``B`` types, 1x1) ->
+    Conv1 (``A`` channels, 5x5, stride 2; BatchNorm, then ReLU) -> PrimaryCaps (``B`` types, 1x1) ->
     ConvCaps1 (``C`` types, K = 3, stride 2) -> ConvCaps2 (``D`` types, K = 3, stride 1) ->
     Class capsules (``classes``, shared transforms, coordinate addition). The paper's
     network has ``A = B = C = D = 32``. Any input side that leaves a grid of at least
@@ -442,18 +504,20 @@ class EMCapsNet(nn.Module):
 
     def __init__(self, in_channels: int = 1, A: int = 32, B: int = 32, C: int = 32, D: int = 32, classes: int = 10,
                  iterations: int = 3, conv_kernel: int = 5, conv_stride: int = 2,
-                 final_lambda: float = FINAL_LAMBDA, coordinate_addition: bool = True, detach: bool = False):
+                 final_lambda: float = FINAL_LAMBDA, coordinate_addition: bool = True, detach: bool = False,
+                 normalize: str = NORMALIZE, batch_norm: bool = True, init_std: float = W_INIT_STD):
         super().__init__()
         for name, v in [("in_channels", in_channels), ("A", A), ("B", B), ("C", C), ("D", D),
                         ("classes", classes)]:
             check_positive_int(name, v)
         self.in_channels, self.classes = in_channels, classes
         self.conv1 = nn.Conv2d(in_channels, A, conv_kernel, conv_stride)
+        self.bn1 = nn.BatchNorm2d(A) if batch_norm else nn.Identity()
         self.primary = PrimaryMatrixCaps(A, B)
-        self.conv_caps1 = ConvCaps(B, C, 3, 2, iterations, final_lambda=final_lambda, detach=detach)
-        self.conv_caps2 = ConvCaps(C, D, 3, 1, iterations, final_lambda=final_lambda, detach=detach)
-        self.class_caps = ClassCaps(D, classes, iterations, final_lambda=final_lambda,
-                                    coordinate_addition=coordinate_addition, detach=detach)
+        kw = dict(final_lambda=final_lambda, detach=detach, normalize=normalize, init_std=init_std)
+        self.conv_caps1 = ConvCaps(B, C, 3, 2, iterations, **kw)
+        self.conv_caps2 = ConvCaps(C, D, 3, 1, iterations, **kw)
+        self.class_caps = ClassCaps(D, classes, iterations, coordinate_addition=coordinate_addition, **kw)
 
     @property
     def iterations(self) -> int:
@@ -470,7 +534,7 @@ class EMCapsNet(nn.Module):
         check_tensor("x", x, dims=4, floating=True, shape_doc="(B, C, H, W)")
         if x.shape[1] != self.in_channels:
             raise ValueError(f"x must be (B, {self.in_channels}, H, W); got {tuple(x.shape)}")
-        out = [self.primary(torch.relu(self.conv1(x)))]
+        out = [self.primary(torch.relu(self.bn1(self.conv1(x))))]
         out.append(self.conv_caps1(*out[-1]))
         out.append(self.conv_caps2(*out[-1]))
         return out

@@ -10,7 +10,8 @@ import capslib
 from capslib import em
 
 
-def plain_em(V, a, beta_u, beta_a, iterations, final_lambda=em.FINAL_LAMBDA, var_floor=em.VAR_FLOOR, eps=em.EPS):
+def plain_em(V, a, beta_u, beta_a, iterations, final_lambda=em.FINAL_LAMBDA, var_floor=em.VAR_FLOOR, eps=em.EPS,
+             normalize=em.NORMALIZE):
     """Procedure 1 written with the plain formulas (no centring, no moment tricks)."""
     B, I, J, H = V.shape
     R = torch.full((B, I, J), 1.0 / J, dtype=V.dtype)
@@ -19,8 +20,12 @@ def plain_em(V, a, beta_u, beta_a, iterations, final_lambda=em.FINAL_LAMBDA, var
         S = rp.sum(1).clamp_min(eps)
         mu = (rp[..., None] * V).sum(1) / S[..., None]
         var = (rp[..., None] * (V - mu[:, None]) ** 2).sum(1) / S[..., None] + var_floor
-        cost = (beta_u[:, None] + 0.5 * torch.log(var)) * rp.sum(1)[..., None]
-        act = torch.sigmoid(lam * (beta_a - cost.sum(-1)))
+        amount = rp.sum(1) / I if normalize == "mean" else rp.sum(1)
+        cost = ((beta_u[:, None] + 0.5 * torch.log(var)) * amount[..., None]).sum(-1)
+        if normalize == "std":
+            cost = (cost - cost.mean(-1, keepdim=True)) / torch.sqrt(cost.var(-1, unbiased=False, keepdim=True)
+                                                                      + em.STD_EPS)
+        act = torch.sigmoid(lam * (beta_a - cost))
         logp = -((V - mu[:, None]) ** 2 / (2 * var[:, None]) + 0.5 * torch.log(2 * math.pi * var[:, None])).sum(-1)
         R = torch.softmax(torch.log(act)[:, None, :] + logp, dim=2)
     return mu, act, R
@@ -46,11 +51,37 @@ def _finite_grads(V, a, bu, ba, iterations=3):
     return mu, act, R
 
 
-def test_matches_plain_procedure_float64():
+@pytest.mark.parametrize("normalize", ["mean", "none", "std"])
+def test_matches_plain_procedure_float64(normalize):
     V, a, bu, ba = _inputs()
+    lam = em.LITERAL_FINAL_LAMBDA if normalize == "none" else em.FINAL_LAMBDA
     for iterations in (1, 2, 3, 5):
-        for want, got in zip(plain_em(V, a, bu, ba, iterations), em.em_routing(V, a, bu, ba, iterations)):
+        want_all = plain_em(V, a, bu, ba, iterations, lam, normalize=normalize)
+        got_all = em.em_routing(V, a, bu, ba, iterations, final_lambda=lam, normalize=normalize)
+        for want, got in zip(want_all, got_all):
             torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_mean_normalisation_is_literal_with_scaled_lambda():
+    # dividing sum_i r'_ij by I is the same as dividing lambda by I and multiplying beta_a by I
+    # (Eq. ch5-costnorm): lambda (beta_a - cost / I) = (lambda / I) (I beta_a - cost)
+    V, a, bu, ba = _inputs(I=9)
+    got = em.em_routing(V, a, bu, ba, 3, final_lambda=0.9, normalize="mean")
+    want = em.em_routing(V, a, bu, 9 * ba, 3, final_lambda=0.1, normalize="none")
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y)
+
+
+def test_mean_normalisation_cost_independent_of_number_of_children():
+    # the same 5 votes repeated 4 times: literal costs scale by 4, normalised ones do not
+    V, a, bu, ba = _inputs(I=5)
+    V4, a4 = V.repeat(1, 4, 1, 1), a.repeat(1, 4)
+    mu, act, _ = em.em_routing(V, a, bu, ba, 2, normalize="mean")
+    mu4, act4, _ = em.em_routing(V4, a4, bu, ba, 2, normalize="mean")
+    torch.testing.assert_close(mu4, mu)
+    torch.testing.assert_close(act4, act)
+    assert not torch.allclose(em.em_routing(V, a, bu, ba, 1, normalize="none")[1],
+                              em.em_routing(V4, a4, bu, ba, 1, normalize="none")[1])
 
 
 def test_exported_from_capslib():
@@ -68,7 +99,7 @@ def test_shapes_and_assignments_sum_to_one(B, I, J, H, it):
     mu, act, R = em.em_routing(V, a, bu, ba, it)
     assert mu.shape == (B, J, H) and act.shape == (B, J) and R.shape == (B, I, J)
     torch.testing.assert_close(R.sum(-1), torch.ones(B, I))
-    assert ((act > 0) & (act < 1)).all()
+    assert torch.isfinite(act).all() and ((act >= 0) & (act <= 1)).all()   # may round to 0 or 1 in float32
 
 
 def test_identical_votes_zero_variance_finite():
@@ -136,6 +167,8 @@ def test_bad_inputs():
         em.em_routing(V, a, torch.zeros(7), ba)
     with pytest.raises(ValueError, match="iterations"):
         em.em_routing(V, a, bu, ba, 0)
+    with pytest.raises(ValueError, match="normalize"):
+        em.em_routing(V, a, bu, ba, normalize="sum")
 
 
 def test_spread_loss_and_margin():
@@ -161,7 +194,7 @@ def test_conv_caps_matches_loop():
     M = pose[:, 2:5, 0:3].reshape(2, 27, 4, 4)
     votes = torch.einsum("nipq,ijqr->nijpr", M, layer.W).reshape(2, 27, 2, 16)
     mu1, act1, _ = em.em_routing(votes, a[:, 2:5, 0:3].reshape(2, 27), layer.beta_u, layer.beta_a, 2,
-                                 final_lambda=layer.final_lambda)
+                                 final_lambda=layer.final_lambda, normalize=layer.normalize)
     torch.testing.assert_close(mu[:, 1, 0].reshape(2, 2, 16), mu1)
     torch.testing.assert_close(act[:, 1, 0], act1)
 

@@ -33,13 +33,15 @@ CHAPTER = "04_coupling_gradient_proof"
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", image_size=28, conv_channels=32, primary_types=8, primary_dim=8, digit_dim=16,
-            decoder=(128, 256), iterations=3, epochs=3, batch_size=32, lr=1e-3, recon_weight=0.0005,
-            probe_size=100, probe_every=25,
-            expanded_subset=2000, expanded_epochs=2, expanded_conv_channels=16, expanded_primary_types=4),
+            decoder=(128, 256), iterations=3, epochs=2, batch_size=64, lr=2e-3, recon_weight=0.0005,
+            probe_size=64, probe_every=16,
+            expanded_subset=2000, expanded_epochs=3, expanded_conv_channels=16, expanded_primary_types=8,
+            expanded_primary_stride=3),
     full=dict(dataset="mnist", image_size=28, conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
               decoder=(512, 1024), iterations=3, epochs=100, batch_size=128, lr=1e-3, recon_weight=0.0005,
               probe_size=500, probe_every=100,
-              expanded_subset=None, expanded_epochs=100, expanded_conv_channels=256, expanded_primary_types=32),
+              expanded_subset=None, expanded_epochs=100, expanded_conv_channels=256, expanded_primary_types=32,
+              expanded_primary_stride=2),
 )
 
 

@@ -293,6 +293,8 @@ class CouplingProbe:
     ``by_epoch`` (the first entry, epoch 0, is the untrained network; call :meth:`start`
     first). The time its step-wise measurements take inside each epoch is kept in
     ``seconds_by_epoch``, so that training time can be told apart from probing time.
+    At each epoch end all three are also copied into ``fit``'s history (keys
+    ``coupling_trace``, ``coupling_by_epoch``, ``probe_seconds``), which the checkpoint keeps.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, every: int = 16, recon_weight: float = 0.0005):
@@ -330,6 +332,10 @@ class CouplingProbe:
         self.seconds_by_epoch.append(self._secs)  # probe time inside fit's timed loop
         self._log(model, self.by_epoch, "epoch")
         self._secs = 0.0
+        # kept in fit's history, so that a run resumed from its checkpoint still has them
+        history["coupling_trace"] = {k: list(v) for k, v in self.trace.items()}
+        history["coupling_by_epoch"] = {k: list(v) for k, v in self.by_epoch.items()}
+        history["probe_seconds"] = list(self.seconds_by_epoch)
 
     def start(self, model) -> None:
         """Record epoch 0 (the network before any step)."""

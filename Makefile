@@ -2,6 +2,7 @@
 #   make book       execute every chapter at this machine's profile, build _build/html
 #   make test       unit tests, every notebook under nbval at the ci profile, strict book build
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
+#   make assignments  student and autograder versions of the otter-grader masters in book/assignments/
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard book/[0-9]*.ipynb)) book/scoreboard.ipynb
 
-.PHONY: book test unit notebooks build-strict reproduce data clean
+.PHONY: book test unit notebooks build-strict reproduce data assignments clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,7 +34,8 @@ book: $(STAMP)
 test: unit notebooks build-strict
 
 unit: $(STAMP)
-	$(PY) -m pytest -q tests
+	@start=$$(date +%s); $(PY) -m pytest -q tests || exit 1; \
+	  echo "unit tests: $$(( $$(date +%s) - start )) s"
 
 notebooks: $(STAMP)
 	@for nb in $(NOTEBOOKS); do \
@@ -44,13 +46,21 @@ notebooks: $(STAMP)
 	done
 
 build-strict: $(STAMP)
-	$(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going
+	@start=$$(date +%s); $(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going || exit 1; \
+	  echo "strict build: $$(( $$(date +%s) - start )) s"
 
 reproduce: $(STAMP)
 	CAPSBOOK_PROFILE=full $(MAKE) book
 
 data: $(STAMP)
 	$(PY) -m capslib.data fetch mnist
+
+assignments: $(STAMP)
+	@for m in book/assignments/*.ipynb; do \
+	  out=_build/assignments/$$(basename $$m .ipynb); rm -rf $$out; \
+	  $(PY) -m otter assign $$m $$out || exit 1; \
+	  echo "$$m -> $$out/student (hand out) and $$out/autograder (keep)"; \
+	done
 
 clean:
 	rm -rf _build

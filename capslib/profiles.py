@@ -20,10 +20,10 @@ SIZES: dict[str, dict[str, dict]] = {
     "02_dynamic_routing": {
         "ci": dict(dataset="embedded", conv_channels=32, primary_types=8, primary_dim=8, digit_dim=16,
                    decoder=(256, 512), iterations=3, epochs=4, batch_size=64, lr=2e-3, lr_decay=0.9,
-                   expanded_epochs=3, expanded_primary_stride=3),
+                   expanded_epochs=3, expanded_primary_stride=3, affnist_limit=10000),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                      decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,
-                     expanded_epochs=30, expanded_primary_stride=2),
+                     expanded_epochs=30, expanded_primary_stride=2, affnist_limit=None),
     },
 }
 

@@ -165,3 +165,36 @@ def test_smallnorb_reads_the_binary_format_and_names_what_is_missing(tmp_path, m
     bad.write_bytes(b"\0" * 32)
     with pytest.raises(ValueError, match="not a smallNORB matrix"):
         data.smallnorb()
+
+
+def _affnist_mat(path, images, labels):
+    """Write images (N, 40, 40) uint8 the way the affNIST files store them: column n of a
+    (1600, N) matrix holds image n with pixel (r, c) at row 40 r + c."""
+    import numpy as np
+    from scipy.io import savemat
+    flat = images.reshape(len(images), 1600).T.copy()
+    savemat(str(path), {"affNISTdata": {"image": flat, "label_int": labels.astype(np.uint8)}})
+
+
+def test_affnist_reads_files_in_order_with_orientation(tmp_path, monkeypatch):
+    import numpy as np
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path)
+    with pytest.raises(data.DatasetMissing, match="affNIST is not in"):
+        data.affnist_test()
+    imgs = np.zeros((5, 40, 40), dtype=np.uint8)
+    for n in range(5):
+        imgs[n, 3 + n, 30] = 255  # one bright pixel at row 3 + n, column 30
+    batches = tmp_path / "affNIST" / "test_batches"
+    batches.mkdir(parents=True)
+    _affnist_mat(batches / "2.mat", imgs[3:], np.array([3, 4]))
+    _affnist_mat(batches / "10.mat", imgs[3:], np.array([9, 9]))  # numeric, not lexical, order
+    _affnist_mat(batches / "1.mat", imgs[:3], np.array([0, 1, 2]))
+    split = data.affnist_test()
+    assert split.x.shape == (7, 1, 40, 40) and split.y.tolist() == [0, 1, 2, 3, 4, 9, 9]
+    for n in range(5):
+        assert split.x[n, 0, 3 + n, 30] == 1.0 and float(split.x[n].sum()) == 1.0
+    assert data.affnist_test(limit=4).y.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="limit"):
+        data.affnist_test(limit=0)
+    _affnist_mat(tmp_path / "affNIST" / "test.mat", imgs[:2], np.array([7, 8]))
+    assert data.affnist_test().y.tolist() == [7, 8]  # the single file wins when present

@@ -2,6 +2,7 @@
 #   make book       execute every chapter at this machine's profile, build _build/html
 #   make test       unit tests, every notebook under nbval at the ci profile, strict book build
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
+#   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
 #   make assignments  student and autograder versions of the otter-grader masters in book/assignments/
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard book/[0-9]*.ipynb)) book/scoreboard.ipynb
 
-.PHONY: book test unit notebooks build-strict reproduce data assignments clean
+.PHONY: book test unit notebooks build-strict reproduce smoke data assignments clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +52,9 @@ build-strict: $(STAMP)
 
 reproduce: $(STAMP)
 	CAPSBOOK_PROFILE=full $(MAKE) book
+
+smoke: $(STAMP)
+	$(PY) -m capslib.smoke --profile full
 
 data: $(STAMP)
 	$(PY) -m capslib.data fetch mnist

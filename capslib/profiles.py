@@ -4,6 +4,11 @@
 in well under two minutes; ``full`` is the paper's architecture and schedule on
 the full dataset, on a GPU. The default is ``full`` when CUDA is available and
 ``ci`` otherwise. Every experiment reads its sizes from :func:`settings`.
+
+``CAPSBOOK_SMOKE=1`` shrinks any profile to a smoke test: the same networks, at most
+``SMOKE_EPOCHS`` epoch per training and at most ``SMOKE_SPLITS`` images per split, with
+checkpoints and results kept apart (``<profile>-smoke``). It checks that a profile runs
+end to end (``make smoke``) before hours are spent on it; its numbers mean nothing.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from types import SimpleNamespace
 import torch
 
 PROFILES = ("ci", "full")
+SMOKE_EPOCHS = 1
+SMOKE_SPLITS = {"train": 512, "val": 128, "test": 256}
 
 # Per-chapter sizes. Each chapter owns its block; keys are the experiment's knobs.
 SIZES: dict[str, dict[str, dict]] = {
@@ -48,15 +55,32 @@ def current() -> str:
     return name
 
 
+def smoke() -> bool:
+    """Whether ``$CAPSBOOK_SMOKE`` asks for a smoke run (any value but empty or 0)."""
+    return os.environ.get("CAPSBOOK_SMOKE", "").strip() not in ("", "0")
+
+
+def storage_name(profile: str | None = None) -> str:
+    """Where a run keeps checkpoints and results: the profile name, ``-smoke`` appended in a
+    smoke run, so that a smoke run never leaves files a real run would resume from or show."""
+    profile = profile or current()
+    return f"{profile}-smoke" if smoke() else profile
+
+
 def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
-    """Sizes of ``chapter``'s experiments at ``profile`` (default: :func:`current`)."""
+    """Sizes of ``chapter``'s experiments at ``profile`` (default: :func:`current`); in a smoke
+    run every positive ``*epochs`` knob is cut to ``SMOKE_EPOCHS``."""
     profile = profile or current()
     if chapter not in SIZES and chapter in CHAPTER_MODULES:
         import importlib
         importlib.import_module(f"capslib.{CHAPTER_MODULES[chapter]}")
     if chapter not in SIZES:
         raise KeyError(f"no sizes for chapter {chapter!r}; known: {sorted(SIZES)}")
-    return SimpleNamespace(profile=profile, **SIZES[chapter][profile])
+    sizes = dict(SIZES[chapter][profile])
+    if smoke():
+        sizes = {k: (min(v, SMOKE_EPOCHS) if k.endswith("epochs") and isinstance(v, int) and v > 0 else v)
+                 for k, v in sizes.items()}
+    return SimpleNamespace(profile=profile, **sizes)
 
 
 def register(chapter: str, ci: dict, full: dict) -> None:

@@ -48,8 +48,10 @@ def record(chapter: str, metrics: dict, profile: str | None = None) -> Path:
 
     if not isinstance(metrics, dict) or not metrics:
         raise ValueError("metrics must be a non-empty dict of name -> value")
+    from . import profiles
+
     sess = current_session()
-    profile = profile or sess.profile
+    profile = profile or profiles.storage_name(sess.profile)
     dev = torch.cuda.get_device_name(sess.device) if sess.device.type == "cuda" else (
         f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
     payload = {
@@ -74,7 +76,7 @@ def load(chapter: str, profile: str | None = None) -> dict | None:
     """The recorded payload of ``chapter`` at ``profile`` (default: active), or None."""
     from . import profiles
 
-    path = RESULTS_DIR / (profile or profiles.current()) / f"{chapter}.json"
+    path = RESULTS_DIR / (profile or profiles.storage_name()) / f"{chapter}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 

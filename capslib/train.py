@@ -26,10 +26,10 @@ except ImportError:  # pragma: no cover
 
 
 def checkpoint_path(name: str, profile: str | None = None) -> Path:
-    """``data/checkpoints/<profile>/<name>.pt`` (git-ignored)."""
+    """``data/checkpoints/<profile>/<name>.pt`` (git-ignored; ``<profile>-smoke`` in a smoke run)."""
     from . import profiles
 
-    return DATA_DIR / "checkpoints" / (profile or profiles.current()) / f"{name}.pt"
+    return DATA_DIR / "checkpoints" / (profile or profiles.storage_name()) / f"{name}.pt"
 
 
 def save_checkpoint(path: str | Path, state: dict) -> None:
@@ -94,6 +94,7 @@ def fit(
     seed: int = 0,
     progress: bool = True,
     desc: str = "train",
+    eval_batch_size: int = 500,
 ) -> dict:
     """Train ``model`` for ``epochs`` epochs; resume from ``checkpoint`` if it exists.
 
@@ -106,6 +107,7 @@ def fit(
         on_epoch_end: ``on_epoch_end(epoch, model, history)`` after each epoch; may add
             its own lists to ``history`` (they are saved in the checkpoint).
         amp: bf16 autocast on CUDA (default: on for CUDA).
+        eval_batch_size: images per forward pass when ``val`` is scored after each epoch.
 
     Returns:
         ``history``: lists ``loss``, ``train_acc``, ``val_acc``, ``seconds``,
@@ -179,7 +181,7 @@ def fit(
             scheduler.step()
         history["loss"].append(total / seen)
         history["train_acc"].append(correct / seen)
-        history["val_acc"].append(evaluate(model, val, predict=predict, amp=amp) if val is not None else float("nan"))
+        history["val_acc"].append(evaluate(model, val, batch_size=eval_batch_size, predict=predict, amp=amp) if val is not None else float("nan"))
         history["seconds"].append(secs)
         history["images_per_s"].append(seen / secs)
         if on_epoch_end is not None:

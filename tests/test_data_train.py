@@ -198,3 +198,44 @@ def test_affnist_reads_files_in_order_with_orientation(tmp_path, monkeypatch):
         data.affnist_test(limit=0)
     _affnist_mat(tmp_path / "affNIST" / "test.mat", imgs[:2], np.array([7, 8]))
     assert data.affnist_test().y.tolist() == [7, 8]  # the single file wins when present
+
+
+def test_smoke_run_cuts_epochs_and_data_and_keeps_files_apart(monkeypatch):
+    from capslib import profiles, results, train
+    monkeypatch.delenv("CAPSBOOK_SMOKE", raising=False)
+    full = profiles.settings("02_dynamic_routing", "full")
+    assert full.epochs == 50 and profiles.storage_name("full") == "full"
+    monkeypatch.setenv("CAPSBOOK_SMOKE", "1")
+    smoke = profiles.settings("02_dynamic_routing", "full")
+    assert smoke.epochs == profiles.SMOKE_EPOCHS and smoke.expanded_epochs == profiles.SMOKE_EPOCHS
+    assert smoke.conv_channels == full.conv_channels  # the networks stay the profile's
+    assert profiles.settings("06_rem", "full").pretrain_epochs == 0  # zero stays zero
+    assert profiles.storage_name("full") == "full-smoke"
+    assert train.checkpoint_path("x", profiles.storage_name("full")).parent.name == "full-smoke"
+    splits = data.load("embedded", device="cpu")
+    assert {k: len(v) for k, v in splits.items()} == profiles.SMOKE_SPLITS
+    assert "SMOKE RUN" in data.describe("full")
+    monkeypatch.setenv("CAPSBOOK_SMOKE", "0")
+    assert not profiles.smoke() and len(data.load("embedded", device="cpu")["train"]) == 4000
+
+
+def test_smoke_runner_sorts_failed_claims_from_crashes(tmp_path, monkeypatch):
+    import nbformat
+    from capslib import smoke
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import os\nprint(os.environ['CAPSBOOK_SMOKE'], os.environ['CAPSBOOK_PROFILE'])"),
+        nbformat.v4.new_code_cell("assert 1 + 1 == 3, 'a claim a one-epoch run cannot meet'"),
+        nbformat.v4.new_code_cell("raise KeyError('missing_knob')"),
+        nbformat.v4.new_code_cell("print('still runs after errors')"),
+    ])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "toy.ipynb"
+    nbformat.write(nb, path)
+    monkeypatch.setenv("CAPSBOOK_PROFILE", "ci")  # run_notebook sets both variables for the kernel
+    monkeypatch.setenv("CAPSBOOK_SMOKE", "0")
+    report = smoke.run_notebook(path, tmp_path / "out", "full", timeout=60)
+    assert len(report["claims"]) == 1 and "cell 1: AssertionError" in report["claims"][0]
+    assert len(report["crashes"]) == 1 and "cell 2: KeyError" in report["crashes"][0]
+    done = nbformat.read(tmp_path / "out" / "toy.ipynb", as_version=4)
+    assert done.cells[0].outputs[0]["text"].split() == ["1", "full"]
+    assert "still runs after errors" in done.cells[3].outputs[0]["text"]

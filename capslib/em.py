@@ -352,6 +352,11 @@ def _check_caps(pose, a, types, p):
                          f"got {tuple(pose.shape)} and {tuple(a.shape)}")
 
 
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 -> float32; float32 and float64 (the derivation checks) unchanged."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 class MatrixCaps(nn.Module):
     """Base of the routed matrix-capsule layers (Hinton et al. 2018; chapter 5).
 
@@ -381,11 +386,15 @@ class MatrixCaps(nn.Module):
         Runs :func:`em_routing` without its last E-step (its assignments are not used).
         """
         N, J, I = votes.shape[:3]
-        if getattr(self, "_calibrating", False):
-            self._calibrate(votes.reshape(N, J, I, -1), a)
-        mu, act, _ = _em(votes.reshape(N, J, I, -1), a, self.beta_u, self.beta_a, iterations or self.iterations,
-                         self.final_lambda, VAR_FLOOR, EPS, final_e_step=False, detach=self.detach,
-                         normalize=self.normalize)
+        # EM (variances, logs, logsumexp) runs in float32 even when the votes come from a bf16
+        # autocast region (the full profile on CUDA): bf16 keeps 8 bits of mantissa.
+        with torch.autocast(device_type=votes.device.type, enabled=False):
+            Vt, a = _at_least_float32(votes.reshape(N, J, I, -1)), _at_least_float32(a)
+            if getattr(self, "_calibrating", False):
+                self._calibrate(Vt, a)
+            mu, act, _ = _em(Vt, a, self.beta_u, self.beta_a, iterations or self.iterations,
+                             self.final_lambda, VAR_FLOOR, EPS, final_e_step=False, detach=self.detach,
+                             normalize=self.normalize)
         return mu.view(N, J, self.p, self.p), act
 
     @torch.no_grad()

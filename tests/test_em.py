@@ -225,3 +225,22 @@ def test_em_capsnet_forward_backward():
     assert model(torch.rand(2, 1, 40, 40)).activations.shape == (2, 10)   # any input size
     with pytest.raises(ValueError, match="x must be"):
         model(torch.rand(2, 3, 28, 28))
+
+
+def test_routing_stays_float32_under_bf16_autocast():
+    """The full profile trains under bf16 autocast on CUDA; EM must still run in float32.
+    CPU autocast exercises the same code path here."""
+    torch.manual_seed(0)
+    model = em.EMCapsNet(A=8, B=4, C=4, D=4, iterations=3)
+    x = torch.rand(4, 1, 28, 28)
+    model.calibrate(x)
+    model.eval()
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+            mu, act = model.class_caps.route(torch.randn(2, 10, 6, 4, 4).bfloat16(), torch.rand(2, 6).bfloat16())
+    assert mu.dtype == torch.float32 and act.dtype == torch.float32
+    assert out.activations.dtype == torch.float32 and torch.isfinite(out.activations).all()
+    # only the votes' matmuls ran in bf16, so the activations stay close to the float32 ones
+    assert float((out.activations - ref.activations).abs().max()) < 0.1

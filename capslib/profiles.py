@@ -60,6 +60,12 @@ def smoke() -> bool:
     return os.environ.get("CAPSBOOK_SMOKE", "").strip() not in ("", "0")
 
 
+def compile_requested() -> bool:
+    """Whether ``$CAPSBOOK_COMPILE`` asks :func:`capslib.train.fit` to train through
+    ``torch.compile`` (any value but empty or 0). Off by default."""
+    return os.environ.get("CAPSBOOK_COMPILE", "").strip() not in ("", "0")
+
+
 def storage_name(profile: str | None = None) -> str:
     """Where a run keeps checkpoints and results: the profile name, ``-smoke`` appended in a
     smoke run, so that a smoke run never leaves files a real run would resume from or show."""

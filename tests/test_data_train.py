@@ -239,3 +239,22 @@ def test_smoke_runner_sorts_failed_claims_from_crashes(tmp_path, monkeypatch):
     done = nbformat.read(tmp_path / "out" / "toy.ipynb", as_version=4)
     assert done.cells[0].outputs[0]["text"].split() == ["1", "full"]
     assert "still runs after errors" in done.cells[3].outputs[0]["text"]
+
+
+def test_fit_through_torch_compile_matches_eager_and_checkpoints_plain_weights(tmp_path, monkeypatch):
+    # aot_eager traces and runs the graph as torch.compile does, without needing a C compiler
+    d = data.embedded_mnist()["train"].subset(48)
+    eager = _tiny()
+    h_eager = train.fit(eager, d, _loss, epochs=1, batch_size=16, progress=False)
+    ck = tmp_path / "ck.pt"
+    compiled = _tiny()
+    h_comp = train.fit(compiled, d, _loss, epochs=1, batch_size=16, checkpoint=ck, progress=False,
+                       compile=True, compile_backend="aot_eager")
+    assert abs(h_comp["loss"][0] - h_eager["loss"][0]) < 1e-4
+    saved = train.load_checkpoint(ck)["model"]
+    assert set(saved) == set(eager.state_dict())  # no "_orig_mod." prefix: loads into a plain model
+    monkeypatch.setenv("CAPSBOOK_COMPILE", "1")
+    from capslib import profiles
+    assert profiles.compile_requested()
+    monkeypatch.setenv("CAPSBOOK_COMPILE", "0")
+    assert not profiles.compile_requested()

@@ -74,7 +74,12 @@ class CapsNet(nn.Module):
         expected = (self.in_channels, self.image_size, self.image_size)
         if tuple(x.shape[1:]) != expected:
             raise ValueError(f"x must be (B, {expected[0]}, {expected[1]}, {expected[2]}); got {tuple(x.shape)}")
-        return self.digit(self.primary(torch.relu(self.conv(x))))
+        return self.digit(self.primary_capsules(x))
+
+    def primary_capsules(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (B, C, H, W)`` -> the squashed primary capsules ``u (B, I, D_in)`` that
+        ``DenseCaps`` turns into votes (no shape checks: :meth:`encode` does those)."""
+        return self.primary(torch.relu(self.conv(x)))
 
     def decode(self, poses: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """Reconstruct from the class capsule ``label`` only (the others masked to 0)."""

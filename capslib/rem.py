@@ -36,6 +36,7 @@ from . import profiles
 from .checks import check_positive_int, check_tensor
 from .layers import DenseCaps
 from .ops import margin_loss, squash
+from .routing import dynamic_routing
 
 # ----------------------------------------------------------------------------- sizes
 
@@ -191,15 +192,9 @@ class QuantizedRouting:
     def __call__(self, u_hat: torch.Tensor, iterations: int = 3, detach: bool = False):
         check_tensor("u_hat", u_hat, dims=4, floating=True, shape_doc="(B, I, J, D)")
         check_positive_int("iterations", iterations)
-        B, I, J, _ = u_hat.shape
         with torch.no_grad():
-            u = u_hat.detach()
-            b = u.new_zeros(B, I, J)
-            for _ in range(iterations - 1):
-                c = torch.softmax(b, dim=2)                               # Eq. 4
-                v = squash(torch.einsum("bij,bijd->bjd", c, u))           # Eq. 2-3
-                b = b + torch.einsum("bijd,bjd->bij", u, v)               # Eq. 5
-            c_q = dequantize(quantize(torch.softmax(b, dim=2), self.levels), self.levels, u.dtype)  # Eq. 13
+            _, c = dynamic_routing(u_hat.detach(), iterations)          # Eqs. 2-5, last iteration's c
+            c_q = dequantize(quantize(c, self.levels), self.levels, u_hat.dtype)  # Eq. 13
         v = squash(torch.einsum("bij,bijd->bjd", c_q, u_hat))
         return v, c_q
 
@@ -263,19 +258,6 @@ def set_mask(module: nn.Module, name: str, mask: torch.Tensor) -> None:
         setattr(module, name, getattr(module, name + "_orig") * getattr(module, name + "_mask"))
     else:
         prune.custom_from_mask(module, name, mask)
-
-
-def refresh_pruned(model: nn.Module) -> None:
-    """Recompute every pruned attribute as ``orig * mask``. ``torch.nn.utils.prune`` does this
-    in a forward pre-hook; code that reads a weight without calling ``forward`` (such as
-    ``DenseCaps.votes``) would otherwise see the value of the last forward call, e.g. the
-    weights from before a checkpoint was loaded."""
-    for module in model.modules():
-        for key in list(module._buffers):
-            if key.endswith("_mask") and hasattr(module, key[:-5] + "_orig"):
-                name = key[:-5]
-                with torch.no_grad():
-                    setattr(module, name, getattr(module, name + "_orig") * getattr(module, key))
 
 
 def attach_masks(params: list[tuple[nn.Module, str]]) -> None:
@@ -473,16 +455,10 @@ def predict_lengths(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def last_couplings(model: nn.Module, x: torch.Tensor):
     """For a CapsNet: primary capsules ``u (B, I, D_in)``, votes ``u_hat (B, I, J, D)`` and
     the continuous couplings of the last routing iteration ``c (B, I, J)``."""
-    refresh_pruned(model.digit)           # votes() bypasses forward, where prune's hook runs
-    u = model.primary(torch.relu(model.conv(x)))
-    u_hat = model.digit.votes(u)
-    B, I, J, _ = u_hat.shape
-    b = u_hat.new_zeros(B, I, J)
-    for _ in range(model.digit.iterations - 1):
-        c = torch.softmax(b, dim=2)
-        v = squash(torch.einsum("bij,bijd->bjd", c, u_hat))
-        b = b + torch.einsum("bijd,bjd->bij", u_hat, v)
-    return u, u_hat, torch.softmax(b, dim=2)
+    u = model.primary_capsules(x)
+    u_hat = model.digit.votes(u)          # honours pruning masks (DenseCaps.votes)
+    _, c = dynamic_routing(u_hat, model.digit.iterations)
+    return u, u_hat, c
 
 
 @torch.no_grad()

@@ -4,20 +4,30 @@
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
 #   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
 #   make assignments  student and autograder versions of the otter-grader masters in book/assignments/
+#   make spread     re-measure every claim on a trained number over seeds and thread counts (about 45 min)
+#   make lock       re-resolve requirements.txt into requirements.lock in a clean venv
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LOCK := requirements.lock
+# The torch the lock pins: this machine kind's pip configuration offers a CPU build of it
+# (no CUDA packages); elsewhere pip takes the same version from the registry.
+TORCH_VERSION := 2.13.0
 NOTEBOOKS := $(sort $(wildcard book/[0-9]*.ipynb)) book/scoreboard.ipynb
+# make test fixes torch's thread count so that two executions record identical numbers
+TEST_THREADS ?= 2
+SEEDS ?= 0 1 2 3 4
+CHAPTERS ?=
 
-.PHONY: book test unit notebooks build-strict reproduce smoke data assignments clean
+.PHONY: book test unit notebooks build-strict reproduce smoke data assignments clean venv lock spread
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install -r $(LOCK)
 	$(PY) -m pip install --no-deps -e .
+	$(PY) -m pip check
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -41,8 +51,8 @@ unit: $(STAMP)
 notebooks: $(STAMP)
 	@for nb in $(NOTEBOOKS); do \
 	  start=$$(date +%s); \
-	  CAPSBOOK_PROFILE=ci $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-	    --nbval-cell-timeout=900 "$$nb" || exit 1; \
+	  CAPSBOOK_PROFILE=ci CAPSBOOK_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+	    --nbval-cell-timeout=300 "$$nb" || exit 1; \
 	  echo "nbval $$nb: $$(( $$(date +%s) - start )) s"; \
 	done
 
@@ -65,6 +75,24 @@ assignments: $(STAMP)
 	  $(PY) -m otter assign $$m $$out || exit 1; \
 	  echo "$$m -> $$out/student (hand out) and $$out/autograder (keep)"; \
 	done
+
+# The lock: requirements.txt resolved by pip in a clean venv and frozen (exact versions of
+# everything installed). torchvision is left out: every registry build of it is a CUDA build
+# that cannot load beside a CPU torch; the book needs it only for datasets a GPU run may use.
+lock:
+	rm -rf _build/lockenv && mkdir -p _build && $(PYTHON) -m venv _build/lockenv
+	sed '/^torchvision/d' requirements.txt > _build/lock-input.txt
+	_build/lockenv/bin/python -m pip install torch==$(TORCH_VERSION) -r _build/lock-input.txt
+	_build/lockenv/bin/python -m pip check
+	{ echo "# Exact versions the notebooks were executed with: made by 'make lock' from requirements.txt"; \
+	  echo "# (Python $$(_build/lockenv/bin/python -c 'import platform; print(platform.python_version())'), $$(date +%Y-%m-%d)). torch is pinned without its local label (+cpu)."; \
+	  _build/lockenv/bin/python -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]+)\+.*/\1/'; } > $(LOCK)
+	rm -rf _build/lockenv
+	@echo "$(LOCK): $$(grep -c '==' $(LOCK)) pinned packages"
+
+spread: $(STAMP)
+	$(PY) -m capslib.spread --seeds $(SEEDS) --threads 2 $(if $(CHAPTERS),--chapters $(CHAPTERS))
+	$(PY) -m capslib.spread --seeds $(SEEDS) --threads 1 --jobs 2 $(if $(CHAPTERS),--chapters $(CHAPTERS))
 
 clean:
 	rm -rf _build

@@ -68,9 +68,16 @@ def compile_requested() -> bool:
 
 def storage_name(profile: str | None = None) -> str:
     """Where a run keeps checkpoints and results: the profile name, ``-smoke`` appended in a
-    smoke run, so that a smoke run never leaves files a real run would resume from or show."""
+    smoke run and ``-$CAPSBOOK_TAG`` when that is set, so that a smoke or spread run never
+    leaves files a real run would resume from or show."""
     profile = profile or current()
-    return f"{profile}-smoke" if smoke() else profile
+    name = f"{profile}-smoke" if smoke() else profile
+    tag = os.environ.get("CAPSBOOK_TAG", "").strip()
+    if tag:  # a spread run (``make spread``): its own checkpoints and results, one folder per seed
+        if not tag.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"CAPSBOOK_TAG must be letters, digits, '-' or '_'; got {tag!r}")
+        name = f"{name}-{tag}"
+    return name
 
 
 def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:

@@ -81,8 +81,10 @@ def load(chapter: str, profile: str | None = None) -> dict | None:
 
 
 def all_results() -> list[dict]:
-    """Every recorded payload, all profiles."""
-    return [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*/*.json"))]
+    """Every recorded payload of the real runs, all profiles (not smoke or spread runs)."""
+    from .profiles import PROFILES
+
+    return [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*/*.json")) if p.parent.name in PROFILES]
 
 
 def paper_vs_book(rows: list[tuple]):

@@ -39,14 +39,35 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def setup(seed: int = 0, device: str | torch.device | None = None, quiet: bool = False) -> Session:
+def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
+    """``$name`` as an int (``default`` when unset or empty); a clear error otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value}")
+    return value
+
+
+def setup(seed: int | None = None, device: str | torch.device | None = None, quiet: bool = False) -> Session:
     """Seed Python, NumPy and torch; choose the device; print profile, device and data sizes.
 
     Call it in the first code cell of every chapter so the reader sees at which
-    scale the outputs were produced.
+    scale the outputs were produced. ``seed`` defaults to ``$CAPSBOOK_SEED`` or 0 (the
+    spread runs, ``make spread``, execute the chapters under other seeds this way);
+    ``$CAPSBOOK_THREADS`` fixes torch's CPU thread count (``make test`` sets 2).
     """
     profile = profiles.current()
     dev = torch.device(device) if device is not None else default_device()
+    if seed is None:
+        seed = env_int("CAPSBOOK_SEED", 0)
+    threads = env_int("CAPSBOOK_THREADS", None, minimum=1)
+    if threads is not None:
+        torch.set_num_threads(threads)
     seed_everything(seed)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -258,3 +258,140 @@ def test_fit_through_torch_compile_matches_eager_and_checkpoints_plain_weights(t
     assert profiles.compile_requested()
     monkeypatch.setenv("CAPSBOOK_COMPILE", "0")
     assert not profiles.compile_requested()
+
+
+def test_changed_configuration_refuses_a_stale_checkpoint_and_keeps_it(tmp_path, capsys):
+    d = data.embedded_mnist()["train"].subset(64)
+    ck = tmp_path / "run.pt"
+    train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, lr=1e-3, checkpoint=ck, progress=False)
+    capsys.readouterr()
+    # the same configuration resumes (and a longer run of it continues)
+    h = train.fit(_tiny(), d, _loss, epochs=2, batch_size=16, lr=1e-3, checkpoint=ck, progress=False)
+    assert "resuming run.pt at epoch 2/2" in capsys.readouterr().out and len(h["loss"]) == 2
+    # another learning rate: not resumed, one line says why, the old file is kept aside
+    model = _tiny()
+    h = train.fit(model, d, _loss, epochs=2, batch_size=16, lr=5e-4, checkpoint=ck, progress=False)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("not resuming run.pt: differs in optimizer.lr: 0.001 -> 0.0005")
+    assert len(h["loss"]) == 2 and len(list(tmp_path.glob("run.stale-*.pt"))) == 1
+    assert train.load_checkpoint(ck)["fingerprint"]["optimizer"]["lr"] == 0.0005
+    # another seed, other data, another loss weight: each changes the fingerprint
+    fp = train.load_checkpoint(ck)["fingerprint"]
+    opt = lambda m: torch.optim.Adam(m.parameters(), lr=5e-4)  # noqa: E731
+    base = dict(loss_fn=_loss, batch_size=16, lr_decay=None, seed=0, amp=False)
+    m = _tiny()
+    assert train.run_fingerprint(m, d, opt(m), **base)["optimizer"] == fp["optimizer"]
+    assert train.run_fingerprint(m, d, opt(m), **dict(base, seed=1))["seed"] == 1
+    assert train.run_fingerprint(m, d.subset(63), opt(m), **base)["train"] != fp["train"]
+    weighted = lambda model, x, y, w=0.5: _loss(model, x, y)  # noqa: E731
+    assert train.run_fingerprint(m, d, opt(m), **dict(base, loss_fn=weighted))["loss"] != fp["loss"]
+    other = models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,), iterations=3)
+    assert train.run_fingerprint(other, d, opt(other), **base)["model"] != fp["model"]
+
+
+def test_checkpoint_with_more_epochs_or_none_recorded_is_not_resumed(tmp_path, capsys):
+    d = data.embedded_mnist()["train"].subset(32)
+    ck = tmp_path / "long.pt"
+    train.fit(_tiny(), d, _loss, epochs=2, batch_size=16, checkpoint=ck, progress=False)
+    capsys.readouterr()
+    h = train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=ck, progress=False)
+    assert "it holds 2 epochs and this run asks for 1" in capsys.readouterr().out and len(h["loss"]) == 1
+    legacy = tmp_path / "legacy.pt"
+    state = train.load_checkpoint(ck)
+    del state["fingerprint"]
+    train.save_checkpoint(legacy, state)
+    train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=legacy, progress=False)
+    assert "carries no configuration" in capsys.readouterr().out
+
+
+def test_start_from_continues_a_shared_shorter_run(tmp_path, capsys):
+    d = data.embedded_mnist()["train"].subset(64)
+    start, cont = tmp_path / "start.pt", tmp_path / "cont.pt"
+    straight = _tiny()
+    train.fit(straight, d, _loss, epochs=2, batch_size=16, progress=False)
+    train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=start, progress=False)
+    capsys.readouterr()
+    continued = _tiny()
+    h = train.fit(continued, d, _loss, epochs=2, batch_size=16, checkpoint=cont, start_from=start, progress=False)
+    assert "resuming start.pt at epoch 2/2" in capsys.readouterr().out and len(h["loss"]) == 2
+    for a, b in zip(straight.state_dict().values(), continued.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    # a start of another configuration (other weights) is not continued
+    other = _tiny()
+    with torch.no_grad():
+        other.digit.W.mul_(2)
+    h = train.fit(other, d, _loss, epochs=2, batch_size=16, checkpoint=tmp_path / "other.pt", start_from=start,
+                  progress=False)
+    assert "resuming" not in capsys.readouterr().out
+
+
+def test_session_reads_seed_and_threads_from_the_environment(monkeypatch):
+    from capslib import session
+    monkeypatch.setenv("CAPSBOOK_SEED", "3")
+    monkeypatch.setenv("CAPSBOOK_THREADS", str(torch.get_num_threads()))
+    assert session.setup(quiet=True).seed == 3
+    assert session.setup(seed=5, quiet=True).seed == 5  # an explicit seed wins
+    monkeypatch.setenv("CAPSBOOK_SEED", "three")
+    with pytest.raises(ValueError, match="CAPSBOOK_SEED must be an integer >= 0; got 'three'"):
+        session.setup(quiet=True)
+    monkeypatch.delenv("CAPSBOOK_SEED")
+    monkeypatch.setenv("CAPSBOOK_THREADS", "0")
+    with pytest.raises(ValueError, match="CAPSBOOK_THREADS must be an integer >= 1"):
+        session.setup(quiet=True)
+    monkeypatch.delenv("CAPSBOOK_THREADS")
+    session.setup(quiet=True)
+
+
+def test_tagged_runs_keep_their_files_apart(monkeypatch):
+    from capslib import profiles
+    monkeypatch.setenv("CAPSBOOK_TAG", "spread-s1-t2")
+    assert profiles.storage_name("ci") == "ci-spread-s1-t2"
+    monkeypatch.setenv("CAPSBOOK_TAG", "../x")
+    with pytest.raises(ValueError, match="CAPSBOOK_TAG must be"):
+        profiles.storage_name("ci")
+
+
+_SHORT_CH2_RUN = r"""
+import json, torch, capslib
+from capslib import data, models, profiles, train
+sess = capslib.setup(quiet=True)
+cfg = profiles.settings("02_dynamic_routing", "ci")
+splits = data.load("embedded")
+torch.manual_seed(sess.seed)
+net = models.CapsNet(conv_channels=cfg.conv_channels, primary_types=cfg.primary_types, primary_dim=cfg.primary_dim,
+                     digit_dim=cfg.digit_dim, decoder=cfg.decoder, iterations=cfg.iterations)
+def step(model, x, y):
+    out = model(x, y)
+    return models.capsnet_loss(out, x, y, recon_weight=0.0005), out.lengths
+h = train.fit(net, splits["train"].subset(320), step, epochs=2, batch_size=cfg.batch_size, lr=cfg.lr,
+              lr_decay=cfg.lr_decay, val=splits["val"], progress=False)
+print(json.dumps({"loss": h["loss"], "val_acc": h["val_acc"], "test_acc": train.evaluate(net, splits["test"]),
+                  "weights": train._state_digest(net), "threads": torch.get_num_threads()}))
+"""
+
+
+def test_two_executions_of_a_shortened_chapter_2_run_record_identical_numbers():
+    """Chapter 2's ci network, 2 epochs on 320 images, in two fresh processes with the same seed and
+    thread count: every recorded number and every weight is identical (not just close)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, CAPSBOOK_PROFILE="ci", CAPSBOOK_SEED="0", CAPSBOOK_THREADS="2")
+    env.pop("CAPSBOOK_CLAIMS_LOG", None)
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _SHORT_CH2_RUN], env=env, capture_output=True,
+                                      text=True, check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["threads"] == 2
+    assert runs[0] == runs[1]
+    other = json.loads(subprocess.run([sys.executable, "-c", _SHORT_CH2_RUN], env=dict(env, CAPSBOOK_SEED="1"),
+                                      capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    assert other["weights"] != runs[0]["weights"]  # the seed reaches the network and the minibatch order
+
+
+def test_unreadable_checkpoint_is_set_aside_not_fatal(tmp_path, capsys):
+    d = data.embedded_mnist()["train"].subset(16)
+    ck = tmp_path / "broken.pt"
+    ck.write_bytes(b"not a checkpoint")
+    h = train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=ck, progress=False)
+    assert "not resuming broken.pt: it cannot be read" in capsys.readouterr().out and len(h["loss"]) == 1
+    assert train.load_checkpoint(ck)["epoch"] == 1 and len(list(tmp_path.glob("broken.stale-*.pt"))) == 1

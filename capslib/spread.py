@@ -1,0 +1,190 @@
+"""The spread table: every claim on a trained number, measured over seeds and thread counts.
+
+``python -m capslib.spread`` (``make spread``) executes the chapters at the ``ci`` profile once
+per (seed, thread count) with ``$CAPSBOOK_CLAIMS_LOG`` set, so that each
+:func:`capslib.claims.check` logs its value instead of asserting it, and gathers the values
+in ``book/results/ci_spread.json``: per claim the bound, every run's value, mean, standard
+deviation, the worst run and its margin. A run keeps its checkpoints and results apart
+(``$CAPSBOOK_TAG``) and removes them when it ends. Chapters of one (seed, threads) run in
+order, in one job, because chapter 7 reads chapter 2's checkpoint.
+
+    python -m capslib.spread --seeds 0 1 2 3 4 --threads 2            # five seeds, two threads
+    python -m capslib.spread --seeds 0 1 2 3 4 --threads 1 --jobs 2   # the same at one thread, two at a time
+    python -m capslib.spread --table                                  # the Markdown table of the file
+
+Measurements merge into the existing file (a run replaces the values of its own seed,
+thread count and chapters), so the table can be refreshed a chapter at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .claims import margin, read_log
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOK = ROOT / "book"
+SPREAD_FILE = BOOK / "results" / "ci_spread.json"
+LOCK_FILE = ROOT / "requirements.lock"
+
+
+def chapters() -> list[Path]:
+    """The chapter notebooks, in order (the scoreboard and assignments have no trained claims)."""
+    return sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
+
+
+def run_key(seed: int, threads: int) -> str:
+    return f"seed {seed}, {threads} thread{'s' if threads > 1 else ''}"
+
+
+def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> dict:
+    """Execute ``notebooks`` in order at ci under ``seed`` and ``threads``; their logged claims."""
+    tag = f"spread-s{seed}-t{threads}"
+    env = dict(os.environ, CAPSBOOK_PROFILE="ci", CAPSBOOK_SEED=str(seed), CAPSBOOK_THREADS=str(threads),
+               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CAPSBOOK_TAG=tag)
+    env.pop("CAPSBOOK_SMOKE", None)
+    out = {}
+    try:
+        for nb in notebooks:
+            log = workdir / f"{tag}-{nb.stem}.jsonl"
+            log.unlink(missing_ok=True)
+            env["CAPSBOOK_CLAIMS_LOG"] = str(log)
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                 "--ExecutePreprocessor.timeout=600", "--ExecutePreprocessor.kernel_name=python3",
+                 "--output-dir", str(workdir / tag), str(nb)],
+                env=env, capture_output=True, text=True, cwd=ROOT)
+            seconds = time.perf_counter() - t0
+            error = None
+            if proc.returncode != 0:
+                lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+                error = " | ".join(lines[-3:])[-600:]
+            out[nb.stem] = {"claims": read_log(log), "seconds": round(seconds, 1), "error": error}
+            print(f"{run_key(seed, threads)}: {nb.stem} {seconds:.0f} s"
+                  + (f", {len(out[nb.stem]['claims'])} claims" if not error else f", ERROR {error}"), flush=True)
+    finally:
+        from .data import DATA_DIR
+        for d in (DATA_DIR / "checkpoints" / f"ci-{tag}", BOOK / "results" / f"ci-{tag}", workdir / tag):
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def _lock_digest() -> str | None:
+    return hashlib.sha1(LOCK_FILE.read_bytes()).hexdigest()[:12] if LOCK_FILE.exists() else None
+
+
+def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: int = 1,
+            path: Path = SPREAD_FILE) -> dict:
+    """Run every (seed, threads) job, merge the measurements into ``path`` and return the table."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    runs = table.setdefault("runs", {})
+    with tempfile.TemporaryDirectory(prefix="capsbook-spread-") as tmp:
+        configs = [(s, t) for t in threads for s in seeds]
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            results = list(pool.map(lambda st: (st, _one_job(st[0], st[1], notebooks, Path(tmp))), configs))
+    import torch
+
+    for (seed, t), by_chapter in results:
+        entry = runs.setdefault(run_key(seed, t), {"seed": seed, "threads": t, "chapters": {}})
+        for chapter, res in by_chapter.items():
+            entry["chapters"][chapter] = dict(res, torch=torch.__version__, lock=_lock_digest(),
+                                              measured=time.strftime("%Y-%m-%d %H:%M"), jobs=jobs)
+    table["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
+    table["claims"] = summarise(runs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_suffix(".json.tmp")
+    tmp_path.write_text(json.dumps(table, indent=1) + "\n")
+    os.replace(tmp_path, path)
+    return table
+
+
+def summarise(runs: dict) -> dict:
+    """Per claim: bound, values per run, n, mean, std, min, max, the worst run and its margin."""
+    by_claim: dict[str, dict] = {}
+    for key, entry in runs.items():
+        for chapter, res in entry["chapters"].items():
+            for c in res["claims"]:
+                d = by_claim.setdefault(c["name"], {"chapter": chapter, "bound": c["bound"], "limit": c["limit"],
+                                                    "values": {}})
+                if (d["bound"], d["limit"]) != (c["bound"], c["limit"]):
+                    d["bound_changed"] = True  # measured under another bound: re-measure
+                    d["bound"], d["limit"] = c["bound"], c["limit"]
+                d["values"][key] = c["value"]
+    for name, d in by_claim.items():
+        vals = [v for v in d["values"].values() if not math.isnan(v)]
+        margins = {k: margin(v, d["bound"], d["limit"]) for k, v in d["values"].items()}
+        worst = min(margins, key=lambda k: (not math.isnan(margins[k]), margins[k]))
+        seeds = {runs[k]["seed"] for k in d["values"]}
+        d.update(n=len(d["values"]), seeds=len(seeds),
+                 mean=statistics.fmean(vals) if vals else float("nan"),
+                 std=statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                 min=min(vals) if vals else float("nan"), max=max(vals) if vals else float("nan"),
+                 worst_run=worst, worst_value=d["values"][worst], worst_margin=margins[worst],
+                 holds_in_every_run=all(m > 0 or (m == 0 and d["bound"] in ("at_least", "at_most"))
+                                        for m in margins.values()))
+        pairs = [(runs[k]["seed"], runs[k]["threads"], v) for k, v in d["values"].items()]
+        diffs = [abs(v1 - v2) for s1, t1, v1 in pairs for s2, t2, v2 in pairs if s1 == s2 and t1 < t2]
+        d["max_thread_difference"] = max(diffs) if diffs else None
+    return dict(sorted(by_claim.items()))
+
+
+def markdown(table: dict) -> str:
+    """The table as Markdown (one row per claim), for the README."""
+    words = {"above": ">", "at_least": "≥", "below": "<", "at_most": "≤"}
+    rows = ["| claim | bound | runs (seeds) | mean ± sd | worst run | worst margin | 1 vs 2 threads, max diff |",
+            "|---|---|---|---|---|---|---|"]
+    for name, d in table["claims"].items():
+        thr = d.get("max_thread_difference")
+        rows.append(f"| {name} | {words[d['bound']]} {d['limit']:g} | {d['n']} ({d['seeds']}) | "
+                    f"{d['mean']:.4g} ± {d['std']:.2g} | {d['worst_value']:.4g} ({d['worst_run']}) | "
+                    f"{d['worst_margin']:.3g}{'' if d['holds_in_every_run'] else ' **fails**'} | "
+                    f"{'—' if thr is None else f'{thr:.2g}'} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--threads", type=int, nargs="+", default=[2])
+    ap.add_argument("--jobs", type=int, default=1, help="jobs at once (use 2 only with --threads 1 on 2 cores)")
+    ap.add_argument("--chapters", nargs="+", default=None, help="chapter numbers, e.g. 02 05 (default: all)")
+    ap.add_argument("--table", action="store_true", help="print the Markdown table of the spread file and stop")
+    ap.add_argument("--file", type=Path, default=SPREAD_FILE)
+    args = ap.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(args.file.read_text())))
+        return 0
+    notebooks = chapters()
+    if args.chapters:
+        wanted = {c.zfill(2) for c in args.chapters}
+        notebooks = [nb for nb in notebooks if nb.stem[:2] in wanted]
+        if not notebooks:
+            ap.error(f"--chapters: none of {sorted(wanted)} is a chapter; have {[nb.stem[:2] for nb in chapters()]}")
+    if any(t < 1 for t in args.threads) or args.jobs < 1:
+        ap.error("--threads and --jobs must be >= 1")
+    table = measure(args.seeds, args.threads, notebooks, jobs=args.jobs, path=args.file)
+    print(markdown(table))
+    failing = [n for n, d in table["claims"].items() if not d["holds_in_every_run"]]
+    errors = [(k, ch) for k, e in table["runs"].items() for ch, r in e["chapters"].items() if r["error"]]
+    for k, ch in errors:
+        print(f"error in {ch} ({k})")
+    if failing:
+        print("claims that fail in at least one run:", ", ".join(failing))
+    return 1 if failing or errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

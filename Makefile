@@ -48,11 +48,19 @@ unit: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q tests || exit 1; \
 	  echo "unit tests: $$(( $$(date +%s) - start )) s"
 
+# A notebook with a cell that times out (a kernel message lost by the client: seen twice in about
+# 40 executions of chapter 4 by nbconvert, kernel and client both idle) is executed once more;
+# any other failure fails at once.
 notebooks: $(STAMP)
-	@for nb in $(NOTEBOOKS); do \
+	@mkdir -p _build; for nb in $(NOTEBOOKS); do \
 	  start=$$(date +%s); \
-	  CAPSBOOK_PROFILE=ci CAPSBOOK_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-	    --nbval-cell-timeout=300 "$$nb" || exit 1; \
+	  for try in 1 2; do \
+	    CAPSBOOK_PROFILE=ci CAPSBOOK_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -p no:cacheprovider --nbval-lax \
+	      --nbval-current-env --nbval-cell-timeout=300 "$$nb" 2>&1 | tee _build/nbval.log; rc=$${PIPESTATUS[0]}; \
+	    if [ $$rc -eq 0 ] || [ $$try -eq 2 ] || ! grep -q "Timeout of" _build/nbval.log; then break; fi; \
+	    echo "nbval $$nb: a cell timed out; executing the notebook once more"; \
+	  done; \
+	  [ $$rc -eq 0 ] || exit 1; \
 	  echo "nbval $$nb: $$(( $$(date +%s) - start )) s"; \
 	done
 

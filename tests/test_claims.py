@@ -1,5 +1,4 @@
 """Claims on trained numbers (capslib.claims) and the spread table that backs them."""
-import ast
 import json
 import math
 from pathlib import Path
@@ -62,22 +61,7 @@ def test_summarise_finds_the_worst_run_and_thread_differences():
 
 def _notebook_claims() -> dict[str, tuple[str, str, float]]:
     """Every claims.check(...) call in the chapters: name -> (notebook, bound, limit)."""
-    found = {}
-    for nb_path in spread.chapters():
-        nb = nbformat.read(nb_path, as_version=4)
-        for cell in nb.cells:
-            if cell.cell_type != "code" or "claims.check" not in cell.source:
-                continue
-            tree = ast.parse("\n".join(ln for ln in cell.source.splitlines() if not ln.lstrip().startswith(("%", "!"))))
-            for node in ast.walk(tree):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check"
-                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "claims"):
-                    name = ast.literal_eval(node.args[0])
-                    (kw,) = [k for k in node.keywords if k.arg in claims.BOUNDS]
-                    limit = ast.literal_eval(kw.value)  # bounds are literal numbers, by design
-                    assert name not in found, f"claim {name!r} is made twice"
-                    found[name] = (nb_path.stem, kw.arg, float(limit))
-    return found
+    return {k: (d["chapter"], d["bound"], d["limit"]) for k, d in spread.notebook_claims().items()}
 
 
 def test_no_bare_assert_on_a_trained_number_is_left_in_a_chapter():

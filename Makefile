@@ -4,7 +4,7 @@
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
 #   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
 #   make assignments  student and autograder versions of the otter-grader masters in book/assignments/
-#   make spread     re-measure every claim on a trained number over seeds and thread counts (about 45 min)
+#   make spread     re-measure every claim on a trained number over seeds and thread counts (about 75 min)
 #   make lock       re-resolve requirements.txt into requirements.lock in a clean venv
 SHELL := /bin/bash
 PYTHON ?= python3

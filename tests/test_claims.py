@@ -1,14 +1,11 @@
 """Claims on trained numbers (capslib.claims) and the spread table that backs them."""
 import json
 import math
-from pathlib import Path
 
 import nbformat
 import pytest
 
 from capslib import claims, spread
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_check_passes_returns_and_raises_with_the_claim_named(monkeypatch):

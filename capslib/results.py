@@ -87,9 +87,56 @@ def all_results() -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*/*.json")) if p.parent.name in PROFILES]
 
 
+def glue(name: str, value, display: bool = False):
+    """Glue one measured number (or sentence) for the prose with myst-nb; NumPy and torch scalars are
+    turned into Python numbers first (their repr would not format in ``{glue:text}`name:.3f```).
+    Returns the plain value."""
+    from myst_nb import glue as _glue
+
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"glue name must be an identifier (letters, digits, '_'), got {name!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"glue {name!r}: expected a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    elif hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if not isinstance(value, (bool, int, float, str)):
+        raise TypeError(f"glue {name!r}: expected a number or a string, got {type(value).__name__}")
+    _glue(name, value, display=display)
+    return value
+
+
+def glue_many(prefix: str, values: dict) -> None:
+    """``glue(f"{prefix}_{key}", value)`` for every item."""
+    for k, v in values.items():
+        glue(f"{prefix}_{k}", v)
+
+
 def paper_vs_book(rows: list[tuple]):
-    """A table of ``(quantity, paper value, this book's value[, note])`` rows as a DataFrame."""
+    """A table of ``(quantity, paper, this book's value[, note])`` rows as a DataFrame.
+
+    ``paper`` is a key of ``book/paper_results.yml`` (shown as the paper prints it, with its source),
+    ``None`` (not reported), or words without digits ("polarized", "by eye"): numbers from papers
+    come only from the sourced table."""
     import pandas as pd
 
-    cols = ["quantity", "paper", "this book", "note"]
-    return pd.DataFrame([tuple(r) + ("",) * (4 - len(r)) for r in rows], columns=cols).set_index("quantity")
+    from . import paper
+
+    out = []
+    for r in rows:
+        if not 3 <= len(r) <= 4:
+            raise ValueError(f"paper_vs_book: rows are (quantity, paper, book[, note]), got {r!r}")
+        quantity, ref, book, *note = r
+        if ref is None:
+            shown = "not reported"
+        elif paper.is_key(ref):
+            shown = f"{paper.text(ref, pm=True)} ({paper.source(ref)})"
+        elif isinstance(ref, str) and not any(ch.isdigit() for ch in ref):
+            shown = ref
+        else:
+            raise ValueError(f"paper_vs_book: {ref!r} for {quantity!r} is neither a key of "
+                             f"book/paper_results.yml nor words without numbers; add the paper's number "
+                             f"to that table with its source and pass its key")
+        out.append((quantity, shown, book, note[0] if note else ""))
+    return pd.DataFrame(out, columns=["quantity", "paper", "this book", "note"]).set_index("quantity")

@@ -90,6 +90,15 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> d
     return out
 
 
+def source_digest(nb_path: Path) -> str:
+    """A digest of a chapter's code cells: the version of the experiment a measurement belongs to."""
+    import nbformat
+
+    cells = nbformat.read(nb_path, as_version=4).cells
+    code = "\n\n".join(c.source for c in cells if c.cell_type == "code")
+    return hashlib.sha1(code.encode()).hexdigest()[:12]
+
+
 def notebook_claims(notebooks: list[Path] | None = None) -> dict[str, dict]:
     """Every ``claims.check(...)`` call in the chapters, read from their source (nothing runs):
     name -> {"chapter", "bound", "limit"}. Bounds must be literal numbers."""
@@ -171,19 +180,29 @@ def _lock_digest() -> str | None:
 def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: int = 1,
             path: Path = SPREAD_FILE) -> dict:
     """Run every (seed, threads) job, merge the measurements into ``path`` and return the table."""
-    table = json.loads(path.read_text()) if path.exists() else {}
-    runs = table.setdefault("runs", {})
+    digests = {nb.stem: source_digest(nb) for nb in notebooks}
     with tempfile.TemporaryDirectory(prefix="capsbook-spread-") as tmp:
         configs = [(s, t) for t in threads for s in seeds]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             results = list(pool.map(lambda st: (st, _one_job(st[0], st[1], notebooks, Path(tmp))), configs))
     import torch
 
+    # read the file only now: another measurement may have merged into it meanwhile
+    table = json.loads(path.read_text()) if path.exists() else {}
+    runs = table.setdefault("runs", {})
     for (seed, t), by_chapter in results:
         entry = runs.setdefault(run_key(seed, t), {"seed": seed, "threads": t, "chapters": {}})
         for chapter, res in by_chapter.items():
             entry["chapters"][chapter] = dict(res, torch=torch.__version__, lock=_lock_digest(),
-                                              measured=time.strftime("%Y-%m-%d %H:%M"), jobs=jobs)
+                                              measured=time.strftime("%Y-%m-%d %H:%M"), jobs=jobs,
+                                              source=digests[chapter])
+    # values measured on another version of a chapter just re-measured would mix two experiments: drop them
+    for key in list(runs):
+        chs = runs[key]["chapters"]
+        for chapter in [c for c in chs if c in digests and chs[c].get("source") != digests[c]]:
+            del chs[chapter]
+        if not chs:
+            del runs[key]
     table["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
     table["claims"] = summarise(runs)
     _write(table, path)

@@ -1,0 +1,194 @@
+"""Comparisons with uncertainty: results over seeds, intervals, paired differences, binomial errors.
+
+A chapter that compares two methods or settings runs each over the same seeds
+(:func:`over_seeds`), shows :func:`table` (mean ± half-width of a 95 % Student-t interval, seed
+count, worst and best seed) and, for two methods, :func:`paired` (the per-seed difference, which
+removes what the seeds share). A single run's test accuracy comes with :func:`binomial`, the
+sampling error of a test set of that size. :func:`glue_summary` hands any of these to the prose.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+
+def _t_quantile(level: float, dof: int) -> float:
+    from scipy import stats as sps
+
+    return float(sps.t.ppf(0.5 + level / 2, dof))
+
+
+def _finite_floats(values, what: str) -> list[float]:
+    out = []
+    for v in values:
+        if hasattr(v, "item"):
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{what}: expected numbers, got {type(v).__name__} ({v!r})")
+        if not math.isfinite(v):
+            raise ValueError(f"{what}: got a non-finite value {v!r}")
+        out.append(float(v))
+    return out
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Mean and spread of one quantity over runs (seeds). ``half`` is the half-width of the
+    ``level`` Student-t interval of the mean (0 for a single run: no interval can be given)."""
+
+    values: tuple[float, ...]
+    seeds: tuple[int, ...] = field(default=())
+    level: float = 0.95
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / self.n
+
+    @property
+    def sd(self) -> float:
+        if self.n < 2:
+            return 0.0
+        m = self.mean
+        return math.sqrt(sum((v - m) ** 2 for v in self.values) / (self.n - 1))
+
+    @property
+    def se(self) -> float:
+        return self.sd / math.sqrt(self.n)
+
+    @property
+    def half(self) -> float:
+        return _t_quantile(self.level, self.n - 1) * self.se if self.n >= 2 else 0.0
+
+    @property
+    def lo(self) -> float:
+        return self.mean - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.mean + self.half
+
+    @property
+    def min(self) -> float:
+        return min(self.values)
+
+    @property
+    def max(self) -> float:
+        return max(self.values)
+
+    def text(self, fmt: str = ".3f") -> str:
+        """``0.912 ± 0.011 (n = 3)``; percent formats (``.1%``) keep the ``%`` on both numbers."""
+        return f"{format(self.mean, fmt)} ± {format(self.half, fmt)} (n = {self.n})"
+
+    def __format__(self, spec: str) -> str:
+        return self.text(spec or ".3f")
+
+
+def summarise(values: Iterable, seeds: Sequence[int] = (), level: float = 0.95) -> Summary:
+    """A :class:`Summary` of ``values`` (one per seed); ``seeds`` are recorded if given."""
+    vals = _finite_floats(list(values), "summarise")
+    if not vals:
+        raise ValueError("summarise: need at least one value")
+    if seeds and len(seeds) != len(vals):
+        raise ValueError(f"summarise: {len(vals)} values but {len(seeds)} seeds")
+    if not 0 < level < 1:
+        raise ValueError(f"summarise: level must lie in (0, 1), got {level}")
+    return Summary(tuple(vals), tuple(int(s) for s in seeds), level)
+
+
+def over_seeds(fn: Callable[[int], float | dict], seeds: Sequence[int], level: float = 0.95):
+    """Run ``fn(seed)`` for every seed. ``fn`` returns a number or a dict of numbers; the result is a
+    :class:`Summary` or a dict of them (same keys), each remembering the seeds."""
+    seeds = list(seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"over_seeds: seeds must be distinct and non-empty, got {seeds}")
+    runs = [fn(s) for s in seeds]
+    if all(isinstance(r, dict) for r in runs):
+        names = list(runs[0])
+        if any(list(r) != names for r in runs):
+            raise ValueError("over_seeds: every run must return the same keys")
+        return {k: summarise([r[k] for r in runs], seeds, level) for k in names}
+    return summarise(runs, seeds, level)
+
+
+def paired(a: Summary, b: Summary) -> Summary:
+    """The per-seed difference ``b - a`` of two summaries over the same seeds (seeds must match, in
+    order). Its interval excludes 0 when one method beats the other on these seeds beyond their
+    shared variation."""
+    if a.n != b.n:
+        raise ValueError(f"paired: {a.n} runs against {b.n}")
+    if a.seeds and b.seeds and a.seeds != b.seeds:
+        raise ValueError(f"paired: seeds differ ({a.seeds} vs {b.seeds}); pair runs on the same seeds")
+    return Summary(tuple(y - x for x, y in zip(a.values, b.values)), a.seeds or b.seeds, a.level)
+
+
+@dataclass(frozen=True)
+class Binomial:
+    """A proportion measured on ``n`` independent test items: standard error and Wilson interval."""
+
+    p: float
+    n: int
+    level: float = 0.95
+
+    @property
+    def se(self) -> float:
+        return math.sqrt(self.p * (1 - self.p) / self.n)
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        from scipy import stats as sps
+
+        z = float(sps.norm.ppf(0.5 + self.level / 2))
+        denom = 1 + z * z / self.n
+        centre = (self.p + z * z / (2 * self.n)) / denom
+        half = z * math.sqrt(self.p * (1 - self.p) / self.n + z * z / (4 * self.n * self.n)) / denom
+        return centre - half, centre + half
+
+    def text(self, fmt: str = ".3f") -> str:
+        return f"{format(self.p, fmt)} ± {format(self.se, fmt)} (binomial s.e., {self.n:,} test images)"
+
+
+def binomial(p: float, n: int, level: float = 0.95) -> Binomial:
+    """The sampling error of an accuracy ``p`` measured on ``n`` test images."""
+    (p,) = _finite_floats([p], "binomial")
+    if not 0 <= p <= 1:
+        raise ValueError(f"binomial: p must be a proportion in [0, 1], got {p}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"binomial: n must be a positive integer (test images), got {n!r}")
+    return Binomial(p, n, level)
+
+
+def table(summaries: dict, fmt: str = ".3f"):
+    """A DataFrame, one row per summary: mean, ± (95 % t half-width), seeds, worst, best."""
+    import pandas as pd
+
+    rows = []
+    for name, s in summaries.items():
+        if not isinstance(s, Summary):
+            raise TypeError(f"table: {name!r} is {type(s).__name__}, expected a Summary")
+        rows.append({"": name, "mean": format(s.mean, fmt), "± (95% CI)": format(s.half, fmt), "seeds": s.n,
+                     "worst": format(s.min, fmt), "best": format(s.max, fmt)})
+    return pd.DataFrame(rows).set_index("")
+
+
+def glue_summary(key: str, s: Summary | Binomial) -> None:
+    """Glue ``<key>_mean``, ``_half``, ``_lo``, ``_hi``, ``_sd``, ``_min``, ``_max`` (floats) and
+    ``<key>_n`` (int) of a Summary; ``<key>_p``, ``_se``, ``_lo``, ``_hi``, ``_n`` of a Binomial."""
+    from myst_nb import glue
+
+    if isinstance(s, Binomial):
+        lo, hi = s.interval
+        items = {"p": s.p, "se": s.se, "lo": lo, "hi": hi}
+        n = s.n
+    elif isinstance(s, Summary):
+        items = {"mean": s.mean, "half": s.half, "lo": s.lo, "hi": s.hi, "sd": s.sd, "min": s.min, "max": s.max}
+        n = s.n
+    else:
+        raise TypeError(f"glue_summary: expected a Summary or Binomial, got {type(s).__name__}")
+    for name, v in items.items():
+        glue(f"{key}_{name}", float(v), display=False)
+    glue(f"{key}_n", int(n), display=False)

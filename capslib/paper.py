@@ -52,8 +52,10 @@ def validate(table: dict, bib_keys: set[str]) -> None:
             raise ValueError(f"paper entry {key!r}: pm must be a number")
         if "book" in e:
             b = e["book"]
-            if not isinstance(b, dict) or set(b) != {"metric", "as"} or b["as"] not in READINGS:
-                raise ValueError(f"paper entry {key!r}: book must be {{metric: <name>, as: one of {sorted(READINGS)}}}")
+            if (not isinstance(b, dict) or not {"metric", "as"} <= set(b) <= {"metric", "as", "note"}
+                    or b["as"] not in READINGS):
+                raise ValueError(f"paper entry {key!r}: book must be {{metric: <name>, as: one of "
+                                 f"{sorted(READINGS)}[, note: <how this book's number differs>]}}")
 
 
 @lru_cache(maxsize=None)
@@ -90,7 +92,8 @@ def text(key: str, pm: bool = False) -> str:
     d = e["decimals"]
     num = f"{e['value']:,.{d}f}" if e["value"] >= 10_000 else f"{e['value']:.{d}f}"
     if pm and "pm" in e:
-        num += f" ± {e['pm']:.{max(d, 2)}f}"
+        pm_digits = len(repr(float(e["pm"])).split(".")[1].rstrip("0")) if "." in repr(float(e["pm"])) else 0
+        num += f" ± {e['pm']:.{max(d, pm_digits)}f}"
     unit = e["unit"]
     return num + ("%" if unit == "%" else f" {unit}" if unit else "")
 

@@ -1,0 +1,156 @@
+"""The sourced paper table (capslib.paper), comparisons over seeds (capslib.stats) and the glue helpers."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from capslib import paper, results, stats
+
+
+# --- the paper table -------------------------------------------------------------------------
+def test_paper_table_is_valid_and_sourced():
+    t = paper.table()
+    assert len(t) >= 20
+    bib = paper._bib_keys()
+    for key, e in t.items():
+        assert e["paper"] in bib, key
+        assert e["where"].strip(), key
+
+
+def test_paper_text_keeps_printed_precision():
+    assert paper.text("sabour_mnist_error") == "0.25%"
+    assert paper.text("rem_acc_vanilla") == "99.57%"
+    assert paper.text("rem_entropy_q", pm=True) == "9.53 ± 0.54 bits"
+    assert paper.text("hauser_train_minutes") == "15 min"
+    assert paper.value("rem_sparsity") == pytest.approx(85.53)
+    assert paper.source("rem_sparsity") == "renzulli2022rem, Table 9"
+
+
+def test_paper_unknown_key_is_a_clear_error():
+    with pytest.raises(KeyError, match="not in paper_results.yml"):
+        paper.entry("sabour_nonexistent")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"value": "99"}, "value must be a number"),
+    ({"paper": "nobody2020"}, "not a key of references.bib"),
+    ({"unit": "furlongs"}, "unit"),
+    ({"chapter": 6}, "chapter must be two digits"),
+    ({"book": {"metric": "x", "as": "log"}}, "book must be"),
+    ({"colour": "red"}, "unknown"),
+])
+def test_paper_validation_names_the_entry_and_field(change, message):
+    good = dict(paper.entry("rem_sparsity"))
+    with pytest.raises(ValueError, match=message):
+        paper.validate({"rem_sparsity": dict(good, **change)}, paper._bib_keys())
+
+
+def test_paper_scoreboard_mappings_read_known_metrics():
+    for key, e in paper.table().items():
+        if "book" in e:
+            assert e["book"]["metric"].isidentifier(), key
+
+
+def test_paper_vs_book_takes_keys_and_refuses_typed_paper_numbers():
+    df = results.paper_vs_book([
+        ("MNIST error", "sabour_mnist_error", "3.6%", "ci"),
+        ("couplings", "polarized (near zero or one)", "entropy 1.2"),
+        ("ImageNet", None, "not run"),
+    ])
+    assert df.loc["MNIST error", "paper"].startswith("0.25 ± 0.005%")
+    assert "sabour2017dynamic, Table 1" in df.loc["MNIST error", "paper"]
+    assert df.loc["ImageNet", "paper"] == "not reported"
+    with pytest.raises(ValueError, match="paper_results.yml"):
+        results.paper_vs_book([("MNIST error", "0.25%", "3.6%")])
+    with pytest.raises(ValueError, match="paper_results.yml"):
+        results.paper_vs_book([("MNIST error", 0.25, "3.6%")])
+
+
+# --- statistics over seeds ---------------------------------------------------------------------
+def test_summary_matches_scipy_t_interval():
+    from scipy import stats as sps
+
+    vals = [0.91, 0.93, 0.96, 0.90]
+    s = stats.summarise(vals, seeds=[0, 1, 2, 3])
+    lo, hi = sps.t.interval(0.95, len(vals) - 1, loc=np.mean(vals), scale=sps.sem(vals))
+    assert s.mean == pytest.approx(np.mean(vals))
+    assert s.sd == pytest.approx(np.std(vals, ddof=1))
+    assert (s.lo, s.hi) == (pytest.approx(lo), pytest.approx(hi))
+    assert f"{s:.3f}" == f"{s.mean:.3f} ± {s.half:.3f} (n = 4)"
+
+
+def test_single_run_has_no_interval():
+    s = stats.summarise([0.5])
+    assert s.half == 0 and s.sd == 0 and s.n == 1
+
+
+def test_over_seeds_runs_each_seed_and_keeps_keys():
+    seen = []
+
+    def run(seed):
+        seen.append(seed)
+        return {"acc": 0.9 + 0.01 * seed, "loss": 1.0 - 0.1 * seed}
+
+    out = stats.over_seeds(run, [3, 4, 5])
+    assert seen == [3, 4, 5]
+    assert out["acc"].seeds == (3, 4, 5) and out["acc"].mean == pytest.approx(0.94)
+    assert stats.over_seeds(lambda s: float(s), [1, 2]).mean == 1.5
+    with pytest.raises(ValueError, match="distinct"):
+        stats.over_seeds(lambda s: 0.0, [1, 1])
+
+
+def test_paired_difference_removes_the_shared_seed_effect():
+    a = stats.summarise([0.80, 0.90, 0.70], seeds=[0, 1, 2])
+    b = stats.summarise([0.81, 0.91, 0.71], seeds=[0, 1, 2])
+    d = stats.paired(a, b)
+    assert d.mean == pytest.approx(0.01) and d.half < 1e-9  # the unpaired intervals overlap entirely
+    assert a.hi > b.lo
+    with pytest.raises(ValueError, match="seeds differ"):
+        stats.paired(a, stats.summarise([0.8, 0.9, 0.7], seeds=[5, 6, 7]))
+
+
+def test_binomial_error_and_wilson_interval():
+    b = stats.binomial(0.96, 500)
+    assert b.se == pytest.approx(math.sqrt(0.96 * 0.04 / 500))
+    lo, hi = b.interval
+    assert lo < 0.96 < hi and hi <= 1
+    assert stats.binomial(1.0, 100).interval[1] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="proportion"):
+        stats.binomial(96.0, 500)
+    with pytest.raises(ValueError, match="positive integer"):
+        stats.binomial(0.5, 0)
+
+
+def test_stats_refuse_bad_values():
+    with pytest.raises(ValueError, match="non-finite"):
+        stats.summarise([0.5, float("nan")])
+    with pytest.raises(TypeError, match="numbers"):
+        stats.summarise(["0.5"])
+    with pytest.raises(ValueError, match="seeds"):
+        stats.summarise([0.5, 0.6], seeds=[0])
+
+
+def test_stats_table_and_numpy_inputs():
+    s = stats.summarise(np.array([0.5, 0.7], dtype=np.float32))
+    df = stats.table({"method": s})
+    assert df.loc["method", "seeds"] == 2 and df.loc["method", "mean"] == "0.600"
+
+
+# --- glue helpers ------------------------------------------------------------------------------
+def test_glue_turns_numpy_and_torch_scalars_into_python(monkeypatch):
+    captured = {}
+    import myst_nb
+
+    monkeypatch.setattr(myst_nb, "glue", lambda name, value, display=False: captured.__setitem__(name, value))
+    assert results.glue("a", np.float64(0.25)) == 0.25 and type(captured["a"]) is float
+    assert type(results.glue("b", torch.tensor(3))) is int
+    assert results.glue("c", "a sentence") == "a sentence"
+    with pytest.raises(ValueError, match="scalar"):
+        results.glue("d", torch.zeros(3))
+    with pytest.raises(ValueError, match="identifier"):
+        results.glue("bad name", 1.0)
+    stats.glue_summary("k", stats.summarise([1.0, 2.0, 3.0]))
+    assert captured["k_mean"] == 2.0 and captured["k_n"] == 3 and type(captured["k_half"]) is float

@@ -35,11 +35,11 @@ CHAPTER = "03_soft_routing_gradients"
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", routes=4, epochs=20, batch_size=50, lr=0.003, init_std=0.01,
-            routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=20, match_steps=50,
-            cifar=False),
+            routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=20, compare_seeds=3,
+            match_steps=50, scaling_samples=1000, cifar=False),
     full=dict(dataset="mnist", routes=4, epochs=60, batch_size=50, lr=0.003, init_std=0.01,
-              routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=60, match_steps=50,
-              cifar=True),
+              routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=60, compare_seeds=5,
+              match_steps=50, scaling_samples=1000, cifar=True),
 )
 
 
@@ -204,6 +204,60 @@ def route_gradient_norms(P: torch.Tensor, x: torch.Tensor, y_star: torch.Tensor,
         Y = torch.sigmoid(torch.einsum("moi,ni->nmo", P, x))
         eta = error_signals(r.to(Y.dtype), Y, y_star).eta
         return torch.einsum("nmo,ni->moi", eta, x).flatten(1).norm(dim=1)
+
+
+class Scaling(NamedTuple):
+    deviation: torch.Tensor   # (N, M) ||dE_n/dP^j - r_n(j) A^j_n|| / ||dE_n/dP^j||
+    norm_ratio: torch.Tensor  # (N, M) ||dE_n/dP^j|| / ||A^j_n||
+
+
+def route_gradient_vs_alone(sample_energy: Callable, P: torch.Tensor, x: torch.Tensor, y_star: torch.Tensor,
+                            r: torch.Tensor, delta: torch.Tensor, chunk: int = 250) -> Scaling:
+    """Test chapter 3's claim (Eq. ch3-dyj) with autograd alone: is the gradient reaching route ``j``
+    ``r(j)`` times the gradient the route would get on its own from the same output error?
+
+    Args:
+        sample_energy: ``sample_energy(P, x_n, y*_n)``, one sample's energy as a function of the route
+            weights ``P (M, O, I)`` (any network: the gate may or may not depend on ``P``).
+        P: route weights ``(M, O, I)`` at which to differentiate.
+        x, y_star: inputs ``(N, I)`` and targets ``(N, O)``.
+        r: the network's routing weights ``(N, M)`` at ``P``.
+        delta: the network's output error ``dE/dy = y - y*`` ``(N, O)`` at ``P``.
+
+    Per sample ``n`` and route ``j``, ``G^j_n = dE_n/dP^j`` is autograd's gradient of
+    ``sample_energy`` (``torch.func.grad`` under ``vmap``) and ``A^j_n`` autograd's vector-Jacobian
+    product of the lone route ``sigma(P^j x_n)`` with ``delta_n``. Neither uses the hand derivation.
+    Returns :class:`Scaling`: ``deviation = ||G - r A|| / ||G||`` (0 up to rounding when the gate only
+    multiplies the route's output) and ``norm_ratio = ||G|| / ||A||`` (then equal to ``r``).
+    """
+    from torch.func import grad, vjp, vmap
+
+    check_tensor("P", P, dims=3, floating=True, shape_doc="(M, O, I)")
+    check_tensor("x", x, dims=2, floating=True, shape_doc="(N, I)")
+    check_positive_int("chunk", chunk)
+    M, O, I = P.shape
+    N = x.shape[0]
+    if x.shape[1] != I or y_star.shape != (N, O) or r.shape != (N, M) or delta.shape != (N, O):
+        raise ValueError(f"shapes must be P (M, O, I), x (N, I), y_star (N, O), r (N, M), delta (N, O); got "
+                         f"P {tuple(P.shape)}, x {tuple(x.shape)}, y_star {tuple(y_star.shape)}, "
+                         f"r {tuple(r.shape)}, delta {tuple(delta.shape)}")
+    P = P.detach()
+
+    def alone(xn, dn):
+        # the M routes side by side, each sigma(P^j x_n) on its own; they do not interact in this map,
+        # so the product with delta_n in every route's slot is each lone route's gradient
+        _, pullback = vjp(lambda Q: torch.sigmoid(Q @ xn), P)
+        return pullback(dn.expand(M, O))[0]
+
+    deviation, ratio = [], []
+    for s in range(0, N, chunk):
+        sl = slice(s, s + chunk)
+        G = vmap(grad(sample_energy), in_dims=(None, 0, 0))(P, x[sl], y_star[sl]).flatten(2)  # (n, M, O*I)
+        A = vmap(alone)(x[sl], delta[sl].detach()).flatten(2)
+        g_norm = G.norm(dim=2)
+        deviation.append((G - r[sl].detach().unsqueeze(2) * A).norm(dim=2) / g_norm.clamp_min(torch.finfo(G.dtype).tiny))
+        ratio.append(g_norm / A.norm(dim=2).clamp_min(torch.finfo(A.dtype).tiny))
+    return Scaling(torch.cat(deviation), torch.cat(ratio))
 
 
 def gd_step(net: SoftRoutingNet, x: torch.Tensor, y_star: torch.Tensor, lr: float) -> float:

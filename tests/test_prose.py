@@ -33,7 +33,7 @@ _NOT_PROSE = [
     re.compile(r"^:[\w-]+:.*$", re.M),                    # directive options (:label:, :class:)
 ]
 # A typed result: a decimal number, a percentage, a ± with a number.
-_TYPED = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])|(?<![\w.])\d+(?:\.\d+)?\s*(?:%|per\s?cent\b)|±\s*\d")
+_TYPED = re.compile(r"(?<![\w.])\d+\.\d+(?!\.?\w)|(?<![\w.])\d+(?:\.\d+)?\s*(?:%|per\s?cent\b)|±\s*\d")
 # The allow-list, kept tiny: each entry is (pattern, why it is not a result).
 _ALLOWED = [
     (re.compile(r"\b(?:Python|PyTorch|torch|jupyter-book|Jupyter Book)\s+\d+\.\d+"), "software versions"),
@@ -66,7 +66,17 @@ def _cells(path: Path) -> list[tuple[int, str, str]]:
     return [(i, c["cell_type"], "".join(c["source"])) for i, c in enumerate(nb["cells"])]
 
 
-@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
+# Pages whose prose is known not to be converted yet: their test is an expected failure (strict, so
+# it fails the moment the page is clean and the entry must go). Empty when every page is converted.
+PENDING: dict[str, str] = {}
+
+
+def _page_params():
+    return [pytest.param(p, id=p.stem, marks=[pytest.mark.xfail(strict=True, reason=PENDING[p.stem])]
+                         if p.stem in PENDING else []) for p in PAGES]
+
+
+@pytest.mark.parametrize("path", _page_params())
 def test_no_typed_result_numbers(path):
     found = [f"cell {i}: …{hit}…" for i, kind, src in _cells(path) if kind == "markdown"
              for hit in typed_numbers(src)]
@@ -85,6 +95,8 @@ def test_no_internal_tracking_references(path):
 
 @pytest.mark.parametrize("text, hits", [
     ("accuracy reached 0.964 after two epochs", 1),
+    ("routes whose mean exceeds 0.05. Extra routes", 1),
+    ("version 1.2.3 of the tool", 0),
     ("CapsNet kept 79% and the CNN 66 %", 2),
     ("a spread of ± 3 points", 1),
     ("glued {glue:text}`acc:.3f` and $0.5$ and `lr=0.001` and {cite}`sabour2017dynamic`", 0),

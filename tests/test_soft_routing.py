@@ -176,3 +176,41 @@ def test_bad_input_errors():
         sr.SoftRoutingNet(4, 2, 1, init_std=-1.0)
     with pytest.raises(ValueError, match="shapes must be"):
         sr.error_signals(torch.rand(3, 2), torch.rand(3, 3, 2), torch.rand(3, 2))
+
+
+def _sample_energy_of(forward, R):
+    return lambda P, xn, tn: sr.energy(forward(R, P, xn[None])[1], tn[None])
+
+
+def _soft(R, P, x):
+    r = torch.sigmoid(x @ R.T)
+    return r, torch.einsum("nm,nmo->no", r, torch.sigmoid(torch.einsum("moi,ni->nmo", P, x)))
+
+
+def _listening(R, P, x):
+    Y = torch.sigmoid(torch.einsum("moi,ni->nmo", P, x))
+    r = torch.sigmoid(x @ R.T + (Y * Y.mean(dim=1, keepdim=True)).sum(dim=2))
+    return r, torch.einsum("nm,nmo->no", r, Y)
+
+
+@pytest.mark.parametrize("forward, scaled", [(_soft, True), (_listening, False)])
+def test_route_gradient_vs_alone_tells_a_multiplying_gate_from_one_that_reads_the_routes(forward, scaled):
+    net = _net(d_in=5, d_out=3, routes=4, std=0.7)
+    x, y_star = _batch(9, 5, 3)
+    R, P = net.R.detach(), net.P.detach()
+    r, y = forward(R, P, x)
+    s = sr.route_gradient_vs_alone(_sample_energy_of(forward, R), P, x, y_star, r, y - y_star, chunk=4)
+    assert s.deviation.shape == (9, 4) and s.norm_ratio.shape == (9, 4)
+    if scaled:
+        assert float(s.deviation.max()) < 1e-12
+        torch.testing.assert_close(s.norm_ratio, r, rtol=1e-12, atol=1e-12)
+    else:
+        assert float(s.deviation.median()) > 1e-2
+
+
+def test_route_gradient_vs_alone_rejects_bad_shapes():
+    net = _net(d_in=5, d_out=3, routes=2)
+    x, y_star = _batch(4, 5, 3)
+    with pytest.raises(ValueError, match="shapes must be"):
+        sr.route_gradient_vs_alone(lambda P, xn, tn: P.sum(), net.P, x, y_star, torch.rand(4, 3, dtype=torch.float64),
+                                   y_star)

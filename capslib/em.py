@@ -48,21 +48,28 @@ EPS = 1e-6            # floor of every sum of assignments sum_i r'_ij
 profiles.register(
     "05_em_routing",
     # CPU, embedded MNIST (28x28): a tiny network (A = 16, B = C = D = 4) trained on all 4000
-    # embedded images for 3 epochs; the 1/2/3-iteration comparison uses 1 epoch on 2000 images each (time budget).
+    # embedded images for 3 epochs. The 1/2/3-iteration comparison (time budget: its 9 trainings take
+    # about 20 s on 2 cores) trains a lighter network (compare_sizes = A, B, C, D) for 1 epoch on
+    # compare_subset images, once per seed sess.seed + k, k < compare_seeds. The 40x40 transfer test
+    # uses the first transfer_images test digits.
     ci=dict(dataset="embedded", A=16, B=4, C=4, D=4, iterations=3, train_subset=None, epochs=3, batch_size=32,
             lr=2e-3, lr_decay=None, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
-            init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, compare_subset=2000, hist_images=16,
-            affine_size=40,
+            init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, compare_subset=1000,
+            compare_sizes=(8, 2, 2, 2), compare_seeds=3, hist_images=16,
+            affine_size=40, transfer_images=250,
             eval_batch=500, calibrate_images=256),
     # The paper's network (Sec. 5, Fig. 1): A = B = C = D = 32, K = 3, 3 routing iterations,
     # spread loss with the margin raised linearly from 0.2 to 0.9, Adam; on full MNIST here
     # (smallNORB when its files are present: capslib.data.smallnorb()). EM routing keeps every
     # vote of ConvCaps1 in memory (about 0.1 GB per 28x28 image and 0.25 GB per 40x40 image
     # without gradients, measured on CPU), so evaluation goes in batches of eval_batch images.
+    # The iteration comparison trains the paper's network for compare_epochs epochs per run
+    # (3 iteration counts x compare_seeds seeds: 15 runs).
     full=dict(dataset="mnist", A=32, B=32, C=32, D=32, iterations=3, train_subset=None, epochs=50, batch_size=32,
               lr=3e-3, lr_decay=0.96, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
-              init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=50, compare_subset=None, hist_images=64,
-              affine_size=40,
+              init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=5, compare_subset=None,
+              compare_sizes=(32, 32, 32, 32), compare_seeds=5, hist_images=64,
+              affine_size=40, transfer_images=None,
               eval_batch=64, calibrate_images=64),
 )
 
@@ -151,11 +158,14 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
     denom = rsum.clamp_min(eps)                            # = sum_i r'_ij unless it is below eps
     w = rp / denom.unsqueeze(-1)
     s = (rsum / denom).unsqueeze(-1)                       # sum_i w_ij: 1, or < 1 when sum_i r'_ij < eps
+    # batched (1 x I) @ (I x H) products; written with matmul rather than einsum, whose backward
+    # pass took several times longer here (CPU, torch 2.13)
+    wr = w.unsqueeze(-2)                                   # (B, J, 1, I)
     if VV is None:
-        mu = torch.einsum("bji,bjih->bjh", w, V)           # mu_jh (centred)
-        ex2 = torch.einsum("bji,bjih->bjh", w, V2)
+        mu = torch.matmul(wr, V).squeeze(-2)               # mu_jh (centred)
+        ex2 = torch.matmul(wr, V2).squeeze(-2)
     else:
-        mu, ex2 = torch.einsum("bji,bjih->bjh", w, VV).split(H, dim=-1)
+        mu, ex2 = torch.matmul(wr, VV).squeeze(-2).split(H, dim=-1)
     sigma2 = (ex2 - (2.0 - s) * mu * mu).clamp_min(0.0) + var_floor
     amount = rsum / V.shape[2] if normalize == "mean" else rsum   # Eq. ch5-costnorm: sum_i r'_ij / I
     cost = ((bu.unsqueeze(-1) + 0.5 * torch.log(sigma2)) * amount.unsqueeze(-1)).sum(dim=-1)   # sum_h cost_jh
@@ -166,9 +176,9 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
     if do_e_step:
         q = 0.5 / sigma2
         if VV is None:
-            quad = torch.einsum("bjih,bjh->bji", V2, q) - 2.0 * torch.einsum("bjih,bjh->bji", V, mu * q)
+            quad = (torch.matmul(V2, q.unsqueeze(-1)) - 2.0 * torch.matmul(V, (mu * q).unsqueeze(-1))).squeeze(-1)
         else:
-            quad = torch.einsum("bjih,bjh->bji", VV, torch.cat([-2.0 * mu * q, q], dim=-1))
+            quad = torch.matmul(VV, torch.cat([-2.0 * mu * q, q], dim=-1).unsqueeze(-1)).squeeze(-1)
         quad = quad + (mu * mu * q).sum(dim=-1, keepdim=True)
         logp = -quad - 0.5 * torch.log(2.0 * math.pi * sigma2).sum(dim=-1, keepdim=True)
         R = torch.softmax(F.logsigmoid(logit).unsqueeze(-1) + logp, dim=1)

@@ -24,6 +24,7 @@ capsules (Sec. 4.1); it routes with couplings ``e (B, I, J)`` normalised over
 """
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
@@ -40,18 +41,19 @@ CHAPTER = "07_products_of_expert_capsules"
 # 9x9x128x128 stride-2 filters, 576 capsules of 8D, 20 capsules of 16D) on full
 # MNIST. The paper gives neither epochs nor learning rates ("about fifteen minutes
 # on a single GPU"); the full schedule below is ours and says so in the chapter.
+# `seeds`: how many draws of W and U (CD-1 and decoder stages) run on the one trained autoencoder.
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", channels=32, kernel=9, capsule_dim=8, out_caps=20, out_dim=16,
             iterations=3, dropout=0.1, ae_epochs=1, ae_lr=3e-3, ae_batch=50, unsupervised_subset=2000,
             cd_epochs=3, cd_lr=0.05, cd_momentum=0.9, cd_decay=0.9, cd_l2=1e-4, cd_batch=50,
             dec_epochs=2, dec_lr=0.05, init_std=0.01, samples=4, purity_samples=20,
-            classifier_epochs=1, classifier_subset=2000),
+            classifier_epochs=1, classifier_subset=2000, seeds=3),
     full=dict(dataset="mnist", channels=128, kernel=9, capsule_dim=8, out_caps=20, out_dim=16,
               iterations=3, dropout=0.1, ae_epochs=20, ae_lr=1e-3, ae_batch=128, unsupervised_subset=None,
               cd_epochs=30, cd_lr=0.05, cd_momentum=0.9, cd_decay=0.95, cd_l2=1e-4, cd_batch=128,
               dec_epochs=30, dec_lr=0.05, init_std=0.01, samples=4, purity_samples=500,
-              classifier_epochs=10, classifier_subset=None),
+              classifier_epochs=10, classifier_subset=None, seeds=5),
 )
 
 _NORMALIZE = ("outputs", "inputs")
@@ -326,6 +328,87 @@ def decoder_gradient(U: torch.Tensor, y: torch.Tensor, target: torch.Tensor, ite
     return (pos - neg) * (2.0 / y.shape[0])
 
 
+# ----------------------------------------------------------------------------- training W and U
+
+def _sgd_epochs(P: torch.Tensor, n: int, step, *, epochs: int, lr: float, batch: int, momentum: float,
+                decay: float, l2: float, generator: torch.Generator | None, after_epoch) -> None:
+    """The update schedule of Sec. 4.1 as the book runs it: per minibatch ``v <- momentum v + (step - l2 P)``,
+    ``P <- P + lr v``; ``lr <- decay lr`` after every epoch. ``step(idx)`` returns the ascent direction
+    for the minibatch ``idx`` (and may record what it measures); ``after_epoch()`` runs after each epoch."""
+    check_positive_int("epochs", epochs, minimum=0)
+    check_positive_int("batch", batch)
+    velocity = torch.zeros_like(P)
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=generator)
+        for k in range(0, n, batch):
+            delta = step(perm[k:k + batch].to(P.device))
+            velocity.mul_(momentum).add_(delta - l2 * P)          # SGD with momentum, l2 penalty on P
+            P.add_(lr * velocity)
+        lr *= decay                                                # learning-rate decay per epoch
+        after_epoch()
+
+
+@torch.no_grad()
+def train_weights(W: torch.Tensor, x: torch.Tensor, *, epochs: int, lr: float, batch: int, iterations: int = 3,
+                  momentum: float = 0.9, decay: float = 0.9, l2: float = 1e-4,
+                  generator: torch.Generator | None = None, normalize: str = "outputs") -> dict[str, list[float]]:
+    """Train ``W (I, J, Do, Di)`` in place by CD-1 with mixing by dynamic routing (Hauser, Algorithm 1;
+    chapter 7): for each minibatch of ``x (N, I, Di)``, ``Delta W`` of :func:`cd1`, then SGD with
+    momentum, an ``l2`` penalty on ``W`` and learning-rate decay per epoch. No labels, no back-propagation.
+
+    Returns the per-epoch history: ``reconstruction`` (mean ``(x - x~)^2`` of the one-step chain),
+    ``free_energy_gap`` (mean ``F(x) - F(x~)`` in nats, the CD-1 proxy; ``F = sum_j log(1 - ||y_j||)``
+    since ``1 - ||squash(z)|| = 1 / (1 + ||z||^2)``) and ``weight_norm`` (``||W||_F``).
+    """
+    _check_w(W)
+    _check_x(W, x)
+    history: dict[str, list[float]] = {"reconstruction": [], "free_energy_gap": [], "weight_norm": []}
+    sums = {"rec": 0.0, "gap": 0.0}
+
+    def step(idx):
+        xb = x[idx]
+        r = cd1(W, xb, iterations, normalize)
+        sums["rec"] += ((xb - r.x_tilde) ** 2).mean().item() * len(xb)
+        sums["gap"] += (torch.log1p(-r.y.norm(dim=-1)) - torch.log1p(-r.y_tilde.norm(dim=-1))).sum().item()
+        return r.delta
+
+    def after_epoch():
+        history["reconstruction"].append(sums["rec"] / len(x))
+        history["free_energy_gap"].append(sums["gap"] / len(x))
+        history["weight_norm"].append(W.norm().item())
+        sums["rec"] = sums["gap"] = 0.0
+
+    _sgd_epochs(W, len(x), step, epochs=epochs, lr=lr, batch=batch, momentum=momentum, decay=decay, l2=l2,
+                generator=generator, after_epoch=after_epoch)
+    return history
+
+
+@torch.no_grad()
+def train_decoder(U: torch.Tensor, y: torch.Tensor, target: torch.Tensor, *, epochs: int, lr: float, batch: int,
+                  iterations: int = 3, momentum: float = 0.9, decay: float = 0.9, l2: float = 1e-4,
+                  generator: torch.Generator | None = None, evaluate=None) -> dict[str, list[float]]:
+    """Train the decoder ``U (I, J, Di, Do)`` in place with :func:`decoder_gradient` (Hauser, Sec. 4.1;
+    chapter 7) on pairs ``(target (N, I, Di), y (N, J, Do))``, the same schedule as :func:`train_weights`.
+
+    ``evaluate()`` (optional) runs after every epoch and returns a dict of numbers; the history holds
+    one list per key.
+    """
+    check_tensor("y", y, dims=3, floating=True, shape_doc="(N, J, Do)")
+    check_tensor("target", target, dims=3, floating=True, shape_doc="(N, I, Di)")
+    if len(y) != len(target):
+        raise ValueError(f"y and target must hold the same number of samples; got {len(y)} and {len(target)}")
+    history: dict[str, list[float]] = {}
+
+    def after_epoch():
+        for k, v in (evaluate() if evaluate is not None else {}).items():
+            history.setdefault(k, []).append(float(v))
+
+    _sgd_epochs(U, len(y), lambda idx: decoder_gradient(U, y[idx], target[idx], iterations), epochs=epochs,
+                lr=lr, batch=batch, momentum=momentum, decay=decay, l2=l2, generator=generator,
+                after_epoch=after_epoch)
+    return history
+
+
 # ----------------------------------------------------------------------------- front end and model
 
 def code_to_capsules(h: torch.Tensor, dim: int = 8) -> torch.Tensor:
@@ -414,7 +497,7 @@ class PoECapsules(nn.Module):
         if (side - 1) * 2 + kernel + 1 != side1:
             raise ValueError(f"image_size={image_size} does not invert through the stride-2 {kernel}x{kernel} conv")
         self.code_shape = (channels, side, side)
-        self.capsule_dim, self.iterations = capsule_dim, iterations
+        self.capsule_dim, self.iterations, self.init_std = capsule_dim, iterations, init_std
         in_caps = side * side * channels // capsule_dim
         self.W = nn.Parameter(init_std * torch.randn(in_caps, out_caps, out_dim, capsule_dim), requires_grad=False)
         self.U = nn.Parameter(init_std * torch.randn(in_caps, out_caps, capsule_dim, out_dim), requires_grad=False)
@@ -422,6 +505,23 @@ class PoECapsules(nn.Module):
     @property
     def in_caps(self) -> int:
         return self.W.shape[0]
+
+    def with_experts(self, seed: int) -> "PoECapsules":
+        """A copy that shares this model's autoencoder (the same module: trained once, frozen) and holds
+        new ``W`` and ``U``, drawn from ``N(0, init_std^2)`` with a generator seeded by ``seed``: one more
+        run of the CD-1 and decoder stages on the same input capsules (chapter 7's seeds)."""
+        check_positive_int("seed", seed, minimum=0)
+        ae, self.autoencoder = self.autoencoder, None
+        try:
+            other = copy.deepcopy(self)                  # sizes, W and U; not the autoencoder
+        finally:
+            self.autoencoder = ae
+        other.autoencoder = ae
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for P in (other.W, other.U):
+                P.copy_(self.init_std * torch.randn(P.shape, generator=g, dtype=P.dtype).to(P.device))
+        return other
 
     def capsules(self, images: torch.Tensor) -> torch.Tensor:
         """Images ``(B, 1, 28, 28)`` -> squashed input capsules ``(B, I, capsule_dim)``."""

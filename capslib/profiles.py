@@ -25,12 +25,22 @@ SMOKE_SPLITS = {"train": 512, "val": 128, "test": 256}
 SIZES: dict[str, dict[str, dict]] = {
     # Chapter 2: CapsNet of Sabour et al. (Sec. 4). `full` is the paper's network.
     "02_dynamic_routing": {
+        # expanded_*: the 40x40 CapsNet of the affine comparison (expanded_train: training digits per
+        # seed, None = all); cnn_width: its CNN baseline;
+        # compare_seeds: seeds of that comparison (sess.seed + k); affine_* / expand_shift: the
+        # affNIST-style test set and the expanded training set (capslib.data.affine / expand).
         "ci": dict(dataset="embedded", conv_channels=32, primary_types=8, primary_dim=8, digit_dim=16,
                    decoder=(256, 512), iterations=3, epochs=4, batch_size=64, lr=2e-3, lr_decay=0.9,
-                   expanded_epochs=3, expanded_primary_stride=3, affnist_limit=10000),
+                   expanded_epochs=2, expanded_batch_size=32, expanded_primary_stride=4, expanded_train=3000,
+                   cnn_width=16,
+                   compare_seeds=3, expand_shift=6, affine_rotation=20.0, affine_shear=(0.1, 0.2),
+                   affine_scale=(0.8, 1.2), affine_shift=4.0, affnist_limit=10000),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                      decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,
-                     expanded_epochs=30, expanded_primary_stride=2, affnist_limit=None),
+                     expanded_epochs=30, expanded_batch_size=128, expanded_primary_stride=2, expanded_train=None,
+                     cnn_width=64,
+                     compare_seeds=5, expand_shift=6, affine_rotation=20.0, affine_shear=(0.1, 0.2),
+                     affine_scale=(0.8, 1.2), affine_shift=4.0, affnist_limit=None),
     },
 }
 

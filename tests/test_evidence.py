@@ -26,7 +26,7 @@ def test_paper_text_keeps_printed_precision():
     assert paper.text("rem_entropy_q", pm=True) == "9.53 ± 0.54 bits"
     assert paper.text("hauser_train_minutes") == "15 min"
     assert paper.value("rem_sparsity") == pytest.approx(85.53)
-    assert paper.source("rem_sparsity") == "renzulli2022rem, Table 9"
+    assert paper.source("rem_sparsity") == "renzulli2025capsules, Table 9"
 
 
 def test_paper_unknown_key_is_a_clear_error():

@@ -170,3 +170,77 @@ def test_bad_inputs():
     m = poe.PoECapsules(channels=16, out_caps=4, out_dim=6)
     with pytest.raises(ValueError, match="capsule must lie"):
         m.generate(4, torch.randn(2, 6))
+
+
+def _reference_training(P, n, step, *, epochs, lr, batch, momentum, decay, l2, seed):
+    """The schedule of Sec. 4.1 written out: momentum SGD, l2 on P, lr decay per epoch."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.zeros_like(P)
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=g)
+        for k in range(0, n, batch):
+            v = momentum * v + step(P, perm[k:k + batch]) - l2 * P
+            P = P + lr * v
+        lr *= decay
+    return P
+
+
+def test_train_weights_is_algorithm_1_with_momentum_decay_and_l2():
+    W0, _, _ = _problem(B=7, I=5, J=3, Do=3, Di=2, seed=5)
+    x = capslib.squash(torch.randn(7, 5, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float64))
+    kw = dict(epochs=3, lr=0.2, batch=3, momentum=0.8, decay=0.7, l2=1e-2)
+    expected = _reference_training(W0.clone(), len(x), lambda P, idx: poe.cd1_gradient(P, x[idx], 2), seed=9, **kw)
+    W = W0.clone()
+    hist = poe.train_weights(W, x, iterations=2, generator=torch.Generator().manual_seed(9), **kw)
+    torch.testing.assert_close(W, expected)
+    assert set(hist) == {"reconstruction", "free_energy_gap", "weight_norm"}
+    assert all(len(v) == 3 for v in hist.values())
+    assert hist["weight_norm"][-1] == pytest.approx(float(W.norm()))
+    # what the history measures: one epoch of one minibatch at lr = 0 gives the first W's chain
+    one = x[:7]
+    Wb = W0.clone()
+    h1 = poe.train_weights(Wb, one, epochs=1, lr=0.0, batch=7, iterations=2, momentum=0.0, decay=1.0, l2=0.0)
+    r = poe.cd1(W0, one, 2)
+    assert h1["reconstruction"][0] == pytest.approx(float(((one - r.x_tilde) ** 2).mean()))
+    gap = (torch.log1p(-r.y.norm(dim=-1)) - torch.log1p(-r.y_tilde.norm(dim=-1))).sum(1).mean()
+    assert h1["free_energy_gap"][0] == pytest.approx(float(gap))
+    torch.testing.assert_close(Wb, W0)                                        # lr = 0 moves nothing
+    # F(x) = -sum_j log(1 + ||z_j||^2) = sum_j log(1 - ||squash(z_j)||)
+    torch.testing.assert_close(poe.free_energy(W0, one, r.c), torch.log1p(-r.y.norm(dim=-1)).sum(1))
+
+
+def test_train_decoder_matches_the_schedule_and_evaluates_each_epoch():
+    g = torch.Generator().manual_seed(7)
+    U0 = 0.3 * torch.randn(5, 3, 2, 4, generator=g, dtype=torch.float64)
+    y = capslib.squash(torch.randn(6, 3, 4, generator=g, dtype=torch.float64))
+    t = capslib.squash(torch.randn(6, 5, 2, generator=g, dtype=torch.float64))
+    kw = dict(epochs=2, lr=0.1, batch=4, momentum=0.9, decay=0.5, l2=1e-3)
+    expected = _reference_training(U0.clone(), len(y), lambda P, idx: poe.decoder_gradient(P, y[idx], t[idx], 3),
+                                   seed=2, **kw)
+    U = U0.clone()
+    calls = []
+    hist = poe.train_decoder(U, y, t, iterations=3, generator=torch.Generator().manual_seed(2),
+                             evaluate=lambda: calls.append(1) or {"norm": U.norm().item()}, **kw)
+    torch.testing.assert_close(U, expected)
+    assert len(calls) == 2 and hist["norm"][-1] == pytest.approx(float(U.norm()))
+    with pytest.raises(ValueError, match="same number of samples"):
+        poe.train_decoder(U, y[:2], t, epochs=1, lr=0.1, batch=2)
+
+
+def test_with_experts_shares_the_autoencoder_and_draws_w_u_from_the_seed():
+    torch.manual_seed(0)
+    m = poe.PoECapsules(channels=16, out_caps=4, out_dim=6, init_std=0.05)
+    W_before = m.W.clone()
+    a, b, c = m.with_experts(3), m.with_experts(3), m.with_experts(4)
+    assert a.autoencoder is m.autoencoder and c.autoencoder is m.autoencoder
+    torch.testing.assert_close(a.W, b.W)
+    torch.testing.assert_close(a.U, b.U)
+    assert not torch.equal(a.W, c.W)
+    torch.testing.assert_close(m.W, W_before)                                  # the original keeps its W
+    assert a.W.shape == m.W.shape and a.U.shape == m.U.shape and a.code_shape == m.code_shape
+    assert 0.03 < float(a.W.std()) < 0.07
+    with torch.no_grad():
+        a.W.add_(1.0)
+    torch.testing.assert_close(m.W, W_before)                                  # W is not shared
+    with pytest.raises(ValueError, match="seed"):
+        m.with_experts(-1)

@@ -2,6 +2,8 @@
 #   make book       execute every chapter at this machine's profile, build _build/html
 #   make test       unit tests, every notebook under nbval at the ci profile, strict book build
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
+#                   (CHAPTERS="02 04": only those chapters, no build)
+#   make bench      training speed of each chapter's full model on this machine (images/s, TFLOP/s)
 #   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
 #   make assignments  student and autograder versions of the otter-grader masters in book/assignments/
 #   make spread     re-measure every claim on a trained number over seeds and thread counts (about 75 min)
@@ -21,7 +23,7 @@ TEST_THREADS ?= 2
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: book test unit notebooks build-strict reproduce smoke data assignments clean venv lock spread
+.PHONY: bench book test unit notebooks build-strict reproduce smoke data assignments clean venv lock spread
 
 $(STAMP): $(LOCK) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,8 +70,15 @@ build-strict: $(STAMP)
 	@start=$$(date +%s); $(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going || exit 1; \
 	  echo "strict build: $$(( $$(date +%s) - start )) s"
 
+# make reproduce CHAPTERS="02 04": those chapters at the full profile, executed in place one at a
+# time (trainings resume from their checkpoints); no CHAPTERS: every chapter, then the book.
 reproduce: $(STAMP)
-	CAPSBOOK_PROFILE=full $(MAKE) book
+	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.reproduce --profile full $(CHAPTERS); \
+	  else CAPSBOOK_PROFILE=full $(MAKE) book; fi
+
+# training speed of each chapter's full model on this machine (add BENCH_ARGS=--compile on a GPU)
+bench: $(STAMP)
+	$(PY) -m capslib.bench $(BENCH_ARGS)
 
 smoke: $(STAMP)
 	$(PY) -m capslib.smoke --profile full

@@ -1,0 +1,102 @@
+"""``python -m capslib.reproduce [--profile full] CHAPTER ...``: execute chapters in place, one at a time.
+
+Each notebook (``book/<CHAPTER>*.ipynb``, ``CHAPTER`` a number such as ``02``) is executed
+top to bottom with nbclient at the given profile and written back over itself, so that the
+committed book shows that profile's outputs. Trainings resume from their configuration-keyed
+checkpoints (``data/checkpoints/<profile>/``), so a chapter cut off by a time limit continues
+where it stopped on the next call. The wall time of the execution is added to the chapter's
+results file (``book/results/<profile>/<chapter>.json``, key ``wall_seconds``) together with the
+device it ran on. A notebook that raises is not written back (its executed copy goes to
+``_build/reproduce/`` for reading) and the command exits with status 1.
+
+This is what ``make reproduce CHAPTERS="02 04"`` runs; it needs no Jupyter server, only
+``nbclient`` and ``ipykernel`` (see the offline bundle, ``make bundle``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOK = ROOT / "book"
+
+
+def notebook_of(chapter: str) -> Path:
+    """``"02"`` (or ``"2"``, or a notebook's file name) -> ``book/02_....ipynb``."""
+    name = Path(chapter).name
+    if name.endswith(".ipynb"):
+        path = BOOK / name
+        if not path.exists():
+            raise FileNotFoundError(f"no notebook {path}")
+        return path
+    if not name.isdigit():
+        raise ValueError(f"chapter must be a number such as 02 or a notebook name; got {chapter!r}")
+    found = sorted(BOOK.glob(f"{int(name):02d}_*.ipynb"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"chapter {chapter!r}: expected one book/{int(name):02d}_*.ipynb, found {len(found)}")
+    return found[0]
+
+
+def execute(path: Path, profile: str, timeout: int | None = None) -> tuple[bool, float, object]:
+    """Execute ``path`` at ``profile``; returns (succeeded, seconds, executed notebook)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    env = {**os.environ, "CAPSBOOK_PROFILE": profile}
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    try:
+        client.execute(env=env)
+        ok = True
+    except CellExecutionError as err:
+        print(str(err)[-3000:], file=sys.stderr)
+        ok = False
+    return ok, time.perf_counter() - start, nb
+
+
+def record_wall_time(path: Path, profile: str, seconds: float) -> None:
+    """Add the notebook's execution time (kernel start to last cell) to the chapter's results file,
+    if the notebook wrote one (``wall_seconds`` there is the session's, from ``capslib.setup()``)."""
+    results = BOOK / "results" / profile / f"{path.stem}.json"
+    if results.exists():
+        payload = json.loads(results.read_text())
+        payload["execution_seconds"] = round(seconds, 1)
+        tmp = results.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m capslib.reproduce", description=__doc__.splitlines()[0])
+    p.add_argument("chapters", nargs="+", help="chapter numbers (02 04 ...) or notebook names")
+    p.add_argument("--profile", default="full", choices=["ci", "full"])
+    p.add_argument("--timeout", type=int, default=None, help="seconds per cell (default: none)")
+    a = p.parse_args(argv)
+    import nbformat
+
+    paths = [notebook_of(c) for c in a.chapters]
+    failed = 0
+    for path in paths:
+        ok, seconds, nb = execute(path, a.profile, a.timeout)
+        if ok:
+            nbformat.write(nb, path)
+            record_wall_time(path, a.profile, seconds)
+            print(f"executed {path.name} at {a.profile} in {seconds:.0f} s", flush=True)
+        else:
+            out = ROOT / "_build" / "reproduce"
+            out.mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, out / path.name)
+            print(f"FAILED {path.name} after {seconds:.0f} s; executed copy in {out / path.name}", flush=True)
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""The GPU-side tools: the benchmark's quick mode, chapter lookup of the reproduce runner, and the
+switch to each chapter's longer paper schedule."""
+import json
+
+import pytest
+
+from capslib import bench, profiles, reproduce
+
+
+def test_bench_quick_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert table["quick"] and len(table["rows"]) == 3
+    for row in table["rows"]:
+        assert row["images_per_s"] > 0 and row["flops_per_image"] > 0
+        assert row["tflops"] == pytest.approx(row["flops_per_image"] * row["images_per_s"] / 1e12)
+
+
+def test_bench_flops_grow_with_the_network():
+    small, big = bench.cases(quick=True)[0], bench.cases(quick=False)[0]
+    small.batch_size = big.batch_size = 2
+    import torch
+    assert bench.flops_per_image(big, torch.device("cpu")) > 100 * bench.flops_per_image(small, torch.device("cpu"))
+
+
+def test_bench_schedule_counts_image_epochs():
+    s = profiles.settings("02_dynamic_routing", "full")
+    work = bench.schedule("02")
+    assert work["02"] == s.epochs * bench.FULL_TRAIN
+    assert work["02x"] == s.compare_seeds * s.expanded_epochs * bench.FULL_TRAIN
+    with pytest.raises(KeyError, match="no schedule"):
+        bench.schedule("99")
+
+
+def test_notebook_lookup():
+    assert reproduce.notebook_of("2").name.startswith("02_")
+    assert reproduce.notebook_of("04").name.startswith("04_")
+    with pytest.raises(ValueError, match="chapter must be a number"):
+        reproduce.notebook_of("two")
+    with pytest.raises(FileNotFoundError, match="expected one"):
+        reproduce.notebook_of("42")
+
+
+def test_paper_schedule_switch(monkeypatch):
+    monkeypatch.delenv("CAPSBOOK_PAPER_SCHEDULE", raising=False)
+    short = profiles.settings("04_coupling_gradient_proof", "full")
+    monkeypatch.setenv("CAPSBOOK_PAPER_SCHEDULE", "1")
+    long = profiles.settings("04_coupling_gradient_proof", "full")
+    ci = profiles.settings("04_coupling_gradient_proof", "ci")
+    assert long.epochs > short.epochs and long.seeds >= short.seeds
+    assert ci.epochs == profiles.SIZES["04_coupling_gradient_proof"]["ci"]["epochs"]  # ci is untouched
+    # everything but the schedule is the same
+    same = {k for k in vars(short) if k not in profiles.SIZES["04_coupling_gradient_proof"]["paper"]}
+    assert all(getattr(short, k) == getattr(long, k) for k in same)
+
+
+def test_paper_schedule_keys_must_exist():
+    with pytest.raises(KeyError, match="not keys of the full profile"):
+        profiles.register("99_test", ci=dict(epochs=1), full=dict(epochs=2), paper=dict(epoch=3))
+    assert "99_test" not in profiles.SIZES

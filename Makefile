@@ -37,7 +37,7 @@ venv: $(STAMP)
 book: $(STAMP)
 	@for nb in $(NOTEBOOKS); do \
 	  start=$$(date +%s); \
-	  $(PY) -m jupyter nbconvert --to notebook --execute --inplace \
+	  CAPSBOOK_PROGRESS=0 $(PY) -m jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 "$$nb" || exit 1; \
 	  echo "executed $$nb in $$(( $$(date +%s) - start )) s"; \
 	done

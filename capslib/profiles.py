@@ -79,6 +79,13 @@ def paper_schedule() -> bool:
     return os.environ.get("CAPSBOOK_PAPER_SCHEDULE", "").strip() not in ("", "0")
 
 
+def progress_bars() -> bool:
+    """Whether training shows progress bars: off when ``$CAPSBOOK_PROGRESS`` is 0 (set by the headless
+    runners, ``capslib.reproduce``, ``capslib.smoke`` and ``capslib.spread``, so that no bar is saved
+    frozen in an executed notebook); on otherwise."""
+    return os.environ.get("CAPSBOOK_PROGRESS", "").strip() != "0"
+
+
 def compile_requested() -> bool:
     """Whether ``$CAPSBOOK_COMPILE`` asks :func:`capslib.train.fit` to train through
     ``torch.compile`` (any value but empty or 0). Off by default."""

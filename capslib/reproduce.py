@@ -47,7 +47,7 @@ def execute(path: Path, profile: str, timeout: int | None = None) -> tuple[bool,
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    env = {**os.environ, "CAPSBOOK_PROFILE": profile}
+    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_PROGRESS": "0"}
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})

@@ -36,7 +36,7 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
     import nbformat
     from nbclient import NotebookClient
 
-    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_SMOKE": "1"}  # for the kernel only
+    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_SMOKE": "1", "CAPSBOOK_PROGRESS": "0"}  # for the kernel only
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,

@@ -55,7 +55,7 @@ def run_key(seed: int, threads: int) -> str:
 def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> dict:
     """Execute ``notebooks`` in order at ci under ``seed`` and ``threads``; their logged claims."""
     tag = f"spread-s{seed}-t{threads}"
-    env = dict(os.environ, CAPSBOOK_PROFILE="ci", CAPSBOOK_SEED=str(seed), CAPSBOOK_THREADS=str(threads),
+    env = dict(os.environ, CAPSBOOK_PROFILE="ci", CAPSBOOK_PROGRESS="0", CAPSBOOK_SEED=str(seed), CAPSBOOK_THREADS=str(threads),
                OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CAPSBOOK_TAG=tag)
     env.pop("CAPSBOOK_SMOKE", None)
     out = {}

@@ -352,7 +352,7 @@ def fit(
         nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         seen = 0
         bar = tqdm(range(steps), desc=f"{desc} {epoch + 1}/{epochs}", leave=False,
-                   disable=not progress or tqdm is None, mininterval=1.0)
+                   disable=not progress or tqdm is None or not profiles.progress_bars(), mininterval=1.0)
         for s in bar:
             idx = perm[s * batch_size:(s + 1) * batch_size]
             xb, yb = train.x[idx], train.y[idx]

@@ -59,3 +59,10 @@ def test_paper_schedule_keys_must_exist():
     with pytest.raises(KeyError, match="not keys of the full profile"):
         profiles.register("99_test", ci=dict(epochs=1), full=dict(epochs=2), paper=dict(epoch=3))
     assert "99_test" not in profiles.SIZES
+
+
+def test_progress_bars_switch(monkeypatch):
+    monkeypatch.delenv("CAPSBOOK_PROGRESS", raising=False)
+    assert profiles.progress_bars()
+    monkeypatch.setenv("CAPSBOOK_PROGRESS", "0")
+    assert not profiles.progress_bars()

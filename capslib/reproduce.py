@@ -4,9 +4,12 @@ Each notebook (``book/<CHAPTER>*.ipynb``, ``CHAPTER`` a number such as ``02``) i
 top to bottom with nbclient at the given profile and written back over itself, so that the
 committed book shows that profile's outputs. Trainings resume from their configuration-keyed
 checkpoints (``data/checkpoints/<profile>/``), so a chapter cut off by a time limit continues
-where it stopped on the next call. The wall time of the execution is added to the chapter's
-results file (``book/results/<profile>/<chapter>.json``, key ``wall_seconds``) together with the
-device it ran on. A notebook that raises is not written back (its executed copy goes to
+where it stopped on the next call. The execution time is added to the chapter's results file
+(``book/results/<profile>/<chapter>.json``, key ``execution_seconds``; the file already holds the
+device). With ``CAPSBOOK_TIME_LIMIT`` (seconds) set, a training that reaches the limit
+stops at an epoch boundary after writing its checkpoint (:class:`capslib.train.TimeLimitReached`);
+the chapter is then reported incomplete, nothing is recorded, and the same command resumes it.
+A notebook that raises is not written back (its executed copy goes to
 ``_build/reproduce/`` for reading) and the command exits with status 1.
 
 This is what ``make reproduce CHAPTERS="02 04"`` runs; it needs no Jupyter server, only
@@ -56,7 +59,10 @@ def execute(path: Path, profile: str, timeout: int | None = None) -> tuple[bool,
         client.execute(env=env)
         ok = True
     except CellExecutionError as err:
-        print(str(err)[-3000:], file=sys.stderr)
+        if getattr(err, "ename", "") == "TimeLimitReached":
+            print(f"{path.name}: incomplete, {err.evalue}", file=sys.stderr)
+        else:
+            print(str(err)[-3000:], file=sys.stderr)
         ok = False
     return ok, time.perf_counter() - start, nb
 

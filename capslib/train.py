@@ -212,6 +212,25 @@ def _set_aside(path: Path) -> Path:
     return aside
 
 
+class TimeLimitReached(RuntimeError):
+    """Raised by :func:`fit` at an epoch boundary, after its checkpoint is written, once the session
+    has run for ``$CAPSBOOK_TIME_LIMIT`` seconds: the same call resumes from that checkpoint."""
+
+
+def time_limit() -> float | None:
+    """``$CAPSBOOK_TIME_LIMIT`` in seconds (counted from ``capslib.setup()``), or None when unset."""
+    raw = os.environ.get("CAPSBOOK_TIME_LIMIT", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"CAPSBOOK_TIME_LIMIT must be a number of seconds; got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"CAPSBOOK_TIME_LIMIT must be positive; got {raw!r}")
+    return value
+
+
 def scores_of(out) -> torch.Tensor:
     """Class scores ``(B, J)`` from a model output: the tensor itself or its first field."""
     return out if isinstance(out, torch.Tensor) else out[0]
@@ -283,6 +302,9 @@ def fit(
             ``$CAPSBOOK_COMPILE`` is set, see :func:`capslib.profiles.compile_requested`). Off by
             default: the book's timings are eager. Checkpoints hold the plain model's weights.
         seed: seeds the minibatch permutations (default: the session's seed, ``capslib.setup``).
+        Time limit: with ``$CAPSBOOK_TIME_LIMIT`` set and a ``checkpoint``, a run that has used up
+            that many seconds since ``capslib.setup()`` raises :class:`TimeLimitReached` after
+            writing the checkpoint of the epoch it just finished; calling it again resumes there.
         checkpoint: written atomically after every epoch with the run's fingerprint
             (:func:`run_fingerprint`). An existing file is resumed only when its fingerprint
             equals this run's and it holds at most ``epochs`` epochs; otherwise one line says
@@ -335,6 +357,11 @@ def fit(
                 print(f"loaded {source.name}: {start} epochs already trained")
             else:
                 print(f"resuming {source.name} at epoch {start + 1}/{epochs} (epochs 1-{start} trained earlier)")
+    # a time limit stops only runs that keep a checkpoint (nothing trained is lost)
+    limit = time_limit() if checkpoint is not None else None
+    if limit is not None:
+        from .session import current_session
+        started = current_session().started
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(start):  # keep the permutation sequence identical on resume
         torch.randperm(len(train), generator=gen)
@@ -394,6 +421,10 @@ def fit(
             if scheduler is not None:
                 state["scheduler"] = scheduler.state_dict()
             save_checkpoint(checkpoint, state)
+            if limit is not None and epoch + 1 < epochs and time.time() - started >= limit:
+                raise TimeLimitReached(
+                    f"{desc}: stopped after epoch {epoch + 1}/{epochs}, CAPSBOOK_TIME_LIMIT={limit:g} s reached; "
+                    f"checkpoint {Path(checkpoint).name} written: run again to resume")
     return history
 
 

@@ -395,3 +395,27 @@ def test_unreadable_checkpoint_is_set_aside_not_fatal(tmp_path, capsys):
     h = train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=ck, progress=False)
     assert "not resuming broken.pt: it cannot be read" in capsys.readouterr().out and len(h["loss"]) == 1
     assert train.load_checkpoint(ck)["epoch"] == 1 and len(list(tmp_path.glob("broken.stale-*.pt"))) == 1
+
+
+def test_time_limit_stops_at_an_epoch_boundary_and_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    import capslib
+    d = data.embedded_mnist()["train"].subset(64)
+    straight = _tiny()
+    train.fit(straight, d, _loss, epochs=3, batch_size=16, progress=False)
+    ck = tmp_path / "limited.pt"
+    capslib.setup(quiet=True)
+    monkeypatch.setenv("CAPSBOOK_TIME_LIMIT", "1e-6")       # already used up: stop after every epoch
+    for done in (1, 2):
+        with pytest.raises(train.TimeLimitReached, match=f"stopped after epoch {done}/3"):
+            train.fit(_tiny(), d, _loss, epochs=3, batch_size=16, checkpoint=ck, progress=False)
+        assert train.load_checkpoint(ck)["epoch"] == done
+    resumed = _tiny()
+    h = train.fit(resumed, d, _loss, epochs=3, batch_size=16, checkpoint=ck, progress=False)  # last epoch: no stop
+    assert len(h["loss"]) == 3
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    # without a checkpoint the limit does not apply (nothing trained would survive the stop)
+    assert len(train.fit(_tiny(), d, _loss, epochs=2, batch_size=16, progress=False)["loss"]) == 2
+    monkeypatch.setenv("CAPSBOOK_TIME_LIMIT", "soon")
+    with pytest.raises(ValueError, match="CAPSBOOK_TIME_LIMIT must be a number of seconds"):
+        train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=tmp_path / "x.pt", progress=False)

@@ -3,6 +3,8 @@
 #   make test       unit tests, every notebook under nbval at the ci profile, strict book build
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
 #                   (CHAPTERS="02 04": only those chapters, no build)
+#   make bundle     dist/offline: wheels, full MNIST, the book and run.sh for a GPU node without internet
+#                   (PYTHON_VERSION=3.12 for the node's Python); make test-bundle installs and runs it here
 #   make bench      training speed of each chapter's full model on this machine (images/s, TFLOP/s)
 #   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
 #   make assignments  student and autograder versions of the otter-grader masters in book/assignments/
@@ -23,7 +25,7 @@ TEST_THREADS ?= 2
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: bench book test unit notebooks build-strict reproduce smoke data assignments clean venv lock spread
+.PHONY: bench bundle test-bundle book test unit notebooks build-strict reproduce smoke data assignments clean venv lock spread
 
 $(STAMP): $(LOCK) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +77,27 @@ build-strict: $(STAMP)
 reproduce: $(STAMP)
 	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.reproduce --profile full $(CHAPTERS); \
 	  else CAPSBOOK_PROFILE=full $(MAKE) book; fi
+
+# the offline bundle for a GPU node without internet (PYTHON_VERSION: the node's Python)
+PYTHON_VERSION ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+bundle: $(STAMP)
+	$(PY) -m capslib.bundle --python-version $(PYTHON_VERSION) --out dist/offline
+
+# the bundle built for this machine, installed with --no-index into a bare venv that sees only a
+# stand-in of a GPU image (torch and the scientific stack of .venv), then chapter 1 run by its run.sh
+# and full MNIST read from its data (about a minute; not part of make test, which is at its budget)
+test-bundle: $(STAMP)
+	rm -rf _build/bundle-test && mkdir -p _build/bundle-test
+	$(PY) -m capslib.bundle --out _build/bundle-test/offline
+	$(PYTHON) -m venv _build/bundle-test/venv
+	$(PY) -c 'from pathlib import Path; from capslib.bundle import stock_site; print(stock_site(Path("_build/bundle-test/stock")), "distributions stand in for the image")'
+	echo "$(CURDIR)/_build/bundle-test/stock" > $$(_build/bundle-test/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/stock.pth
+	! _build/bundle-test/venv/bin/python -c 'import nbclient' 2>/dev/null
+	cd _build/bundle-test && PYTHON=$(CURDIR)/_build/bundle-test/venv/bin/python CAPSBOOK_PROFILE=ci CAPSBOOK_SMOKE=1 \
+	  CAPSBOOK_THREADS=2 offline/run.sh 01
+	cd _build/bundle-test/offline/work/src && PYTHONPATH=../site:. CAPSBOOK_DATA=data ../../../venv/bin/python -c \
+	  'from capslib import data; s = data.load("mnist"); assert [len(s[k]) for k in ("train", "val", "test")] == [55000, 5000, 10000]; print("full MNIST from the bundle: 55000/5000/10000")'
+	@echo "test-bundle: ok"
 
 # training speed of each chapter's full model on this machine (add BENCH_ARGS=--compile on a GPU)
 bench: $(STAMP)

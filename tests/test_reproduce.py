@@ -66,3 +66,21 @@ def test_progress_bars_switch(monkeypatch):
     assert profiles.progress_bars()
     monkeypatch.setenv("CAPSBOOK_PROGRESS", "0")
     assert not profiles.progress_bars()
+
+
+def test_bundle_pins_every_package_from_the_lock():
+    from capslib import bundle
+    versions = bundle.locked_versions()
+    reqs = bundle.requirements(bundle.CORE + bundle.SCIENTIFIC, versions)
+    assert len(reqs) == len(bundle.CORE + bundle.SCIENTIFIC)
+    assert all("==" in r for r in reqs)
+    assert not any(r.lower().startswith(("torch==", "torchvision==", "jupyter-book==")) for r in reqs)
+    with pytest.raises(KeyError, match="not in requirements.lock: no-such-package"):
+        bundle.requirements(("nbclient", "no-such-package"), versions)
+
+
+def test_bundle_run_script_installs_without_an_index():
+    from capslib import bundle
+    assert "--no-index" in bundle.RUN_SH and "capslib.reproduce" in bundle.RUN_SH
+    with pytest.raises(SystemExit):
+        bundle.main(["--python-version", "three"])

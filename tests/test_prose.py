@@ -68,10 +68,7 @@ def _cells(path: Path) -> list[tuple[int, str, str]]:
 
 # Pages whose prose is known not to be converted yet: their test is an expected failure (strict, so
 # it fails the moment the page is clean and the entry must go). Empty when every page is converted.
-PENDING: dict[str, str] = {
-    "06_rem": "chapter 6's conversion did not finish in the session that converted the others "
-              "(its experiments over seeds are on the branch wip-ch6-evidence)",
-}
+PENDING: dict[str, str] = {}
 
 
 def _page_params():

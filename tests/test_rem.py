@@ -239,3 +239,40 @@ def test_fc_capsnet_shapes_parse_tree_and_lazy_export():
         assert d["weight"] > 1.0 / net.sizes[b[0]]
     with pytest.raises(ValueError, match=r"x must be \(B, 1, 28, 28\)"):
         net(torch.rand(2, 1, 30, 30))
+
+
+# ------------------------------------------------------------------ the chapter's experiment
+
+def test_compare_methods_trains_four_networks_with_keyed_checkpoints_and_resumes(tmp_path, monkeypatch):
+    import types
+
+    from capslib import train
+
+    monkeypatch.setattr(train, "DATA_DIR", tmp_path)
+    capslib.setup(seed=0, quiet=True)
+    S = types.SimpleNamespace(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, iterations=2,
+                              epochs=2, pretrain_epochs=1, batch_size=16, lr=1e-3, lr_decay=None,
+                              lobster_lambda=1e-2, lobster_decay=0.9, lobster_tolerance=0.5, search_steps=3,
+                              imp_final_sparsity=0.5, snip_batch=16, levels_sweep=(5, 11))
+    g = torch.Generator().manual_seed(0)
+
+    def split(n):
+        return capslib.data.Split(torch.rand(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+    tr, val, test = split(32), split(16), split(16)
+    run = rem.compare_methods(3, S, tr, val, test, track=True, progress=False)
+    assert run["seed"] == 3 and tuple(run["nets"]) == rem.METHODS
+    assert run["params"]["vanilla (+Q)"] is None
+    h = run["history"]
+    assert len(h["vanilla (+Q)"]["loss"]) == 2 and len(h["REM (LOBSTER)"]["loss"]) == 1 and len(h["SNIP"]["loss"]) == 2
+    assert len(h["vanilla (+Q)"]["levels"]) == 2          # the tracker saw the shared start and the rest
+    assert h["IMP"]["sparsity"][-1] == pytest.approx(0.5, abs=0.01)
+    assert rem.sparsity(run["params"]["SNIP"]) == pytest.approx(rem.sparsity(run["params"]["REM (LOBSTER)"]), abs=0.01)
+    names = sorted(p.name for p in tmp_path.rglob("*.pt"))
+    assert names == sorted(f"06_rem_{n}_s3.pt" for n in ("start", "vanilla", "rem", "imp", "snip"))
+    again = rem.compare_methods(3, S, tr, val, test, track=True, progress=False)   # every run loads its checkpoint
+    for m in rem.METHODS:
+        for a, b in zip(run["nets"][m].state_dict().values(), again["nets"][m].state_dict().values()):
+            torch.testing.assert_close(a, b)
+    other = rem.compare_methods(4, S, tr, val, test, progress=False)                # another seed: other weights
+    assert not torch.equal(other["nets"]["vanilla (+Q)"].digit.W, run["nets"]["vanilla (+Q)"].digit.W)

@@ -127,18 +127,16 @@ def time_steps(case: Case, device, amp: bool, compiled: bool, steps: int, warmup
         loss.backward()
         opt.step()
 
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    warm_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    secs = time.perf_counter() - t0
+    def seconds(n: int) -> float:  # n steps, timed to the device's completion
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    warm_s = seconds(warmup)
+    secs = seconds(steps)
     return {"images_per_s": steps * case.batch_size / secs, "warmup_s": warm_s,
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None}
 

@@ -68,28 +68,33 @@ def current() -> str:
     return name
 
 
+def _flag(name: str) -> bool:
+    """A switch in the environment: on for any value but empty or 0."""
+    return os.environ.get(name, "").strip() not in ("", "0")
+
+
 def smoke() -> bool:
     """Whether ``$CAPSBOOK_SMOKE`` asks for a smoke run (any value but empty or 0)."""
-    return os.environ.get("CAPSBOOK_SMOKE", "").strip() not in ("", "0")
+    return _flag("CAPSBOOK_SMOKE")
 
 
 def paper_schedule() -> bool:
     """Whether ``$CAPSBOOK_PAPER_SCHEDULE`` asks for the longer schedule a chapter's ``full`` profile
     was cut down from to fit one GPU's budget (each chapter's ``paper`` sizes; any value but empty or 0)."""
-    return os.environ.get("CAPSBOOK_PAPER_SCHEDULE", "").strip() not in ("", "0")
+    return _flag("CAPSBOOK_PAPER_SCHEDULE")
 
 
 def progress_bars() -> bool:
     """Whether training shows progress bars: off when ``$CAPSBOOK_PROGRESS`` is 0 (set by the headless
     runners, ``capslib.reproduce``, ``capslib.smoke`` and ``capslib.spread``, so that no bar is saved
     frozen in an executed notebook); on otherwise."""
-    return os.environ.get("CAPSBOOK_PROGRESS", "").strip() != "0"
+    return os.environ.get("CAPSBOOK_PROGRESS", "").strip() != "0"  # on unless set to 0
 
 
 def compile_requested() -> bool:
     """Whether ``$CAPSBOOK_COMPILE`` asks :func:`capslib.train.fit` to train through
     ``torch.compile`` (any value but empty or 0). Off by default."""
-    return os.environ.get("CAPSBOOK_COMPILE", "").strip() not in ("", "0")
+    return _flag("CAPSBOOK_COMPILE")
 
 
 def storage_name(profile: str | None = None) -> str:
@@ -117,7 +122,7 @@ def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
         raise KeyError(f"no sizes for chapter {chapter!r}; known: {sorted(SIZES)}")
     sizes = dict(SIZES[chapter][profile])
     if profile == "full" and paper_schedule():
-        sizes.update(SIZES[chapter].get("paper", {}))
+        sizes.update(_paper_sizes(chapter, SIZES[chapter]))
     if smoke():
         sizes = {k: (min(v, SMOKE_EPOCHS) if k.endswith("epochs") and isinstance(v, int) and v > 0 else v)
                  for k, v in sizes.items()}
@@ -127,7 +132,15 @@ def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
 def register(chapter: str, ci: dict, full: dict, paper: dict | None = None) -> None:
     """Add a chapter's sizes (used by chapter modules that keep their sizes beside their code);
     ``paper``: the keys of ``full`` that ``$CAPSBOOK_PAPER_SCHEDULE`` changes."""
-    unknown = sorted(set(paper or {}) - set(full))
+    entry = {"ci": dict(ci), "full": dict(full), "paper": dict(paper or {})}
+    _paper_sizes(chapter, entry)
+    SIZES[chapter] = entry
+
+
+def _paper_sizes(chapter: str, entry: dict) -> dict:
+    """A chapter's ``paper`` sizes, checked to name only keys of its ``full`` profile."""
+    paper = entry.get("paper", {})
+    unknown = sorted(set(paper) - set(entry["full"]))
     if unknown:
         raise KeyError(f"{chapter}: paper-schedule keys {unknown} are not keys of the full profile")
-    SIZES[chapter] = {"ci": dict(ci), "full": dict(full), "paper": dict(paper or {})}
+    return paper

@@ -613,28 +613,24 @@ def compare_methods(seed: int, S, train_split, val, test, *, track: bool = False
     nets[METHODS[0]], params[METHODS[0]] = vanilla, None
     secs[METHODS[0]] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    rem_net = make_capsnet(S, seed, device)
-    rem_net.load_state_dict(shared_start)
-    rem_params = prunable(rem_net)
-    lobster = LobsterPruner(rem_params, val, lam=S.lobster_lambda, decay=S.lobster_decay,
-                            tolerance=S.lobster_tolerance, steps=S.search_steps)
-    hist[METHODS[1]] = _train.fit(rem_net, train_split, margin_loss_fn, epochs=rest, checkpoint=ckpt("rem"),
-                                  before_step=lobster.before_step, on_epoch_end=chain(lobster.on_epoch_end, tracker()),
-                                  desc=f"REM (seed {seed})", **fit_args)
-    nets[METHODS[1]], params[METHODS[1]] = rem_net, rem_params
-    secs[METHODS[1]] = time.perf_counter() - t0
+    def branch(method: str, run: str, pruner_for) -> list:
+        """Continue the shared start with a pruner made by ``pruner_for(prunable weights)``."""
+        t0 = time.perf_counter()
+        net = make_capsnet(S, seed, device)
+        net.load_state_dict(shared_start)
+        pruned = prunable(net)
+        pruner = pruner_for(pruned)
+        hist[method] = _train.fit(net, train_split, margin_loss_fn, epochs=rest, checkpoint=ckpt(run),
+                                  before_step=getattr(pruner, "before_step", None),
+                                  on_epoch_end=chain(pruner.on_epoch_end, tracker()),
+                                  desc=f"{method.split(' ')[0]} (seed {seed})", **fit_args)
+        nets[method], params[method] = net, pruned
+        secs[method] = time.perf_counter() - t0
+        return pruned
 
-    t0 = time.perf_counter()
-    imp_net = make_capsnet(S, seed, device)
-    imp_net.load_state_dict(shared_start)
-    imp_params = prunable(imp_net)
-    imp = MagnitudeSchedulePruner(imp_params, S.imp_final_sparsity, rest)
-    hist[METHODS[2]] = _train.fit(imp_net, train_split, margin_loss_fn, epochs=rest, checkpoint=ckpt("imp"),
-                                  on_epoch_end=chain(imp.on_epoch_end, tracker()), desc=f"IMP (seed {seed})",
-                                  **fit_args)
-    nets[METHODS[2]], params[METHODS[2]] = imp_net, imp_params
-    secs[METHODS[2]] = time.perf_counter() - t0
+    rem_params = branch(METHODS[1], "rem", lambda w: LobsterPruner(
+        w, val, lam=S.lobster_lambda, decay=S.lobster_decay, tolerance=S.lobster_tolerance, steps=S.search_steps))
+    branch(METHODS[2], "imp", lambda w: MagnitudeSchedulePruner(w, S.imp_final_sparsity, rest))
 
     t0 = time.perf_counter()
     snip_net = make_capsnet(S, seed, device)

@@ -1,0 +1,448 @@
+"""Grading the book's otter-grader assignments so that delegating to capslib earns nothing.
+
+An assignment asks a student to write, say, the parse-tree entropy in plain PyTorch; capslib holds
+an implementation of the same thing. A submission whose function simply calls capslib would pass
+every test that compares with capslib. This module removes that route: during grading, every
+capslib callable an assignment grades is replaced by a stub that raises :class:`DelegationError`,
+and the tests obtain expected values only through :func:`reference`, which refuses to serve code
+written by the submission.
+
+Interface for assignment masters (``book/assignments/*.ipynb``)
+---------------------------------------------------------------
+1. The ``# ASSIGNMENT CONFIG`` names the plugin and what it guards::
+
+       plugins:
+         - capslib.grading.NoDelegation:
+             guard:
+               - capslib.rem.quantize
+               - capslib.rem.parse_tree_entropy
+
+   A guard entry is the dotted name of a function defined in capslib (``capslib.squash``), of a
+   class (every function in the class body is stubbed, so instantiating or subclassing it fails),
+   of one method (``capslib.soft_routing.SoftRoutingNet.forward``) or of a whole module
+   (``capslib.rem``: every function and class defined in it). Decorated functions are followed
+   through ``__wrapped__`` to capslib's own code.
+
+   Convention for the delegation tests (``tests/test_assignments.py``): the student function
+   graded against ``capslib.x.name`` is called ``my_name`` and takes the same arguments (so that a
+   wrapper around capslib would pass if nothing stopped it). A master may name other pairs
+   explicitly with ``delegates: {my_function: capslib.dotted.name}`` beside ``guard``; a guarded
+   callable with no student counterpart (a helper) needs no pair.
+
+2. Tests (public and hidden) get expected values ONLY through ``reference``::
+
+       import capslib.grading
+       expected = capslib.grading.reference("capslib.rem.quantize")(c, 11)
+
+   never by calling capslib directly: during grading the direct call raises like any other.
+   ``reference`` works the same in a student's own notebook (``grader.check``) and under the
+   autograder.
+
+How it works
+------------
+* :func:`install` (run by the plugin in a cell put before the submission's first cell, so before
+  any student code and before any ``grader.check`` the notebook contains) keeps a private copy of
+  each guarded function and then replaces the *code object* (``__code__``) of the function itself
+  with a stub. Every name bound to that function object -- the module attribute, a package
+  re-export such as ``capslib.squash``, an alias the student took, ``getattr``, ``from ... import
+  ... as``, ``importlib.import_module``, an import inside the student's function -- now runs the
+  stub. The stub raises :class:`DelegationError` unless a :func:`reference` call is running (then
+  it runs the private copy, so capslib code that calls another guarded function still works).
+* Re-loading a guarded module (``importlib.reload``, deleting it from ``sys.modules`` and importing
+  again) would create fresh, unstubbed functions; a finder placed first on ``sys.meta_path``
+  refuses to load a guarded module again while the guard is installed.
+* :func:`reference` walks the call stack outward from its caller. It serves the call only if it
+  reaches a frame of a test file before any frame of code that is not a test file, the standard
+  library, an installed package or capslib itself. A student function is compiled from a notebook
+  cell (or ``exec``), so when it calls ``reference`` -- directly, through an alias, through a
+  helper -- its frame sits between the test and ``reference`` and the call is refused. The
+  callable ``reference`` returns checks the stack again each time it is called.
+
+Threat model (what this stops and what it does not)
+---------------------------------------------------
+It stops *delegation*: a graded function that reaches capslib's implementation of the graded thing
+by a module-level alias taken before or after the guard, a wrapper, ``getattr``, an import inside
+the function, ``importlib.import_module``, ``from capslib.x import f as g``, ``importlib.reload``,
+or through :func:`reference`. ``tests/test_assignments.py`` grades a submission for each of those
+routes and checks it scores zero with a :class:`DelegationError` in every failure message.
+
+Grading runs the submission in the same Python process as the tests, so it cannot stop a
+submission that sets out to defeat the grader itself. Known ways around it, not tested and not
+stopped: restoring the original code objects from this module's private state (reachable by
+introspection, e.g. ``gc.get_referrers``); loading a second copy of capslib from its file with
+``importlib.util.spec_from_file_location``; code compiled under a forged file name (a path in the
+standard library, site-packages or the tests folder) so that its frames look trusted; rewriting the
+test files on disk. Copying capslib's source text into the notebook is plagiarism, not delegation,
+and is left to the instructor. The guard is a tool against the easy shortcut, not a sandbox.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+import sys
+import sysconfig
+import threading
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+try:  # otter is needed only to grade, not to import this module
+    from otter.plugins import AbstractOtterPlugin
+except ImportError:  # pragma: no cover - otter is in the lock
+    class AbstractOtterPlugin:  # type: ignore[no-redef]
+        def __init__(self, submission_path, submission_metadata, plugin_config):
+            self.submission_path, self.submission_metadata = submission_path, submission_metadata
+            self.plugin_config = plugin_config
+
+_CAPSLIB_DIR = str(Path(__file__).resolve().parent)
+
+
+class DelegationError(RuntimeError):
+    """A graded capslib callable was reached by submission code while grading."""
+
+
+# ----------------------------------------------------------------------------- resolving names
+
+def resolve(name: str) -> Any:
+    """The object a dotted name such as ``capslib.rem.quantize`` or ``capslib.X.method`` names."""
+    if not isinstance(name, str) or not name.startswith("capslib"):
+        raise ValueError(f"a guarded name must be a dotted name inside capslib, e.g. "
+                         f"'capslib.rem.quantize'; got {name!r}")
+    parts = name.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            try:
+                obj = importlib.import_module(".".join(parts[: i + 1]))
+            except ImportError:
+                raise ValueError(f"cannot resolve {name!r}: {'.'.join(parts[:i])!r} has no "
+                                 f"attribute {part!r}") from None
+    return obj
+
+
+def _is_capslib_code(fn: types.FunctionType) -> bool:
+    return str(Path(fn.__code__.co_filename).resolve()).startswith(_CAPSLIB_DIR + os.sep)
+
+
+def _functions_of(name: str, obj: Any) -> list[tuple[str, types.FunctionType]]:
+    """Every capslib function object that guarding ``obj`` must stub, with a label for each."""
+    found: list[tuple[str, types.FunctionType]] = []
+
+    def add_function(label: str, f: Any) -> None:
+        seen = set()
+        while f is not None and id(f) not in seen:  # follow decorators to capslib's own code
+            seen.add(id(f))
+            if isinstance(f, (staticmethod, classmethod)):
+                f = f.__func__
+                continue
+            if isinstance(f, types.FunctionType) and _is_capslib_code(f):
+                found.append((label, f))
+            f = getattr(f, "__wrapped__", None)
+
+    def add_class(label: str, cls: type) -> None:
+        for attr, value in vars(cls).items():
+            if isinstance(value, property):
+                for part in (value.fget, value.fset, value.fdel):
+                    add_function(f"{label}.{attr}", part)
+            else:
+                add_function(f"{label}.{attr}", value)
+
+    if isinstance(obj, types.ModuleType):
+        for attr, value in vars(obj).items():
+            if getattr(value, "__module__", None) != obj.__name__:
+                continue
+            if isinstance(value, type):
+                add_class(f"{name}.{attr}", value)
+            else:
+                add_function(f"{name}.{attr}", value)
+    elif isinstance(obj, type):
+        add_class(name, obj)
+    else:
+        add_function(name, getattr(obj, "__func__", obj))  # a bound or class method: its function
+    if not found:
+        raise ValueError(f"{name!r} names no function defined in capslib ({type(obj).__name__}); "
+                         "guard a capslib function, class, method or module")
+    return found
+
+
+# ----------------------------------------------------------------------------- the stubs
+
+_state = threading.local()
+
+
+def _reference_depth() -> int:
+    return getattr(_state, "depth", 0)
+
+
+@contextlib.contextmanager
+def _reference_mode() -> Iterator[None]:
+    _state.depth = _reference_depth() + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+@dataclass
+class _Guard:
+    names: tuple[str, ...]
+    tests_dir: str | None
+    stubbed: dict[int, tuple[types.FunctionType, types.CodeType]] = field(default_factory=dict)
+    originals: dict[str, types.FunctionType] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    modules: set[str] = field(default_factory=set)
+    test_files: frozenset[str] = frozenset()
+    finder: Any = None
+
+
+_GUARD: _Guard | None = None
+
+
+def _gate(key: str, args: tuple, kwargs: dict) -> Any:
+    """What a stubbed capslib function runs instead of its code."""
+    guard = _GUARD
+    if guard is not None and _reference_depth() > 0 and key in guard.originals:
+        return guard.originals[key](*args, **kwargs)
+    label = guard.labels.get(key, key) if guard is not None else key
+    raise DelegationError(f"{label} is graded in this assignment: while grading it cannot be "
+                          "called from the submission (write it yourself)")
+
+
+def _stub_code(fn: types.FunctionType, key: str) -> types.CodeType:
+    """A code object that calls ``_gate(key, ...)`` with the same free variables as ``fn``."""
+    free = fn.__code__.co_freevars
+    cells = "".join(f"    {v} = None\n" for v in free)
+    touch = f"        if False: ({', '.join(free)},)\n" if free else ""
+    src = (f"def _outer():\n{cells}"
+           f"    def _stub(*__args, **__kwargs):\n{touch}"
+           f"        import capslib.grading as __grading\n"
+           f"        return __grading._gate({key!r}, __args, __kwargs)\n"
+           f"    return _stub\n")
+    namespace: dict = {}
+    exec(compile(src, f"<capslib.grading stub of {key}>", "exec"), namespace)
+    code = namespace["_outer"]().__code__
+    if code.co_freevars != free:
+        raise RuntimeError(f"cannot stub {key}: free variables {free} came out as {code.co_freevars}")
+    return code.replace(co_name=fn.__code__.co_name, co_qualname=fn.__code__.co_qualname)
+
+
+class _ReloadBlocker:
+    """A meta-path finder that refuses to load a guarded capslib module a second time."""
+
+    def __init__(self, modules: Iterable[str]):
+        self.modules = frozenset(modules)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.modules:
+            raise ImportError(f"{fullname} holds graded code: it cannot be loaded again while grading "
+                              "(DelegationError)")
+        return None
+
+
+def _test_files(tests_dir: str | None) -> frozenset[str]:
+    if tests_dir is None:
+        return frozenset()
+    folder = Path(tests_dir)
+    if not folder.is_dir():
+        raise ValueError(f"tests_dir must be the folder of the assignment's test files; "
+                         f"{tests_dir!r} is not a directory")
+    return frozenset(str(p.resolve()) for p in folder.glob("*.py"))
+
+
+def install(names: Iterable[str], tests_dir: str | None = None) -> None:
+    """Stub every capslib callable in ``names`` (see the module docstring) until :func:`uninstall`.
+
+    Args:
+        names: dotted names of capslib functions, classes, methods or modules.
+        tests_dir: the folder of the test files being graded; only their frames may call
+            :func:`reference` while the guard is installed (None: any ``tests/*.py``).
+    """
+    global _GUARD
+    names = tuple(names)
+    if isinstance(names, str) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"names must be a non-empty list of dotted capslib names; got {names!r}")
+    if _GUARD is not None:
+        raise RuntimeError("capslib.grading: a guard is already installed; uninstall() it first")
+    guard = _Guard(names=names, tests_dir=tests_dir, test_files=_test_files(tests_dir))
+    targets: list[tuple[str, types.FunctionType]] = []
+    for name in names:
+        targets.extend(_functions_of(name, resolve(name)))
+    try:
+        for label, fn in targets:
+            if id(fn) in guard.stubbed:
+                continue
+            key = f"{fn.__module__}:{fn.__code__.co_qualname}:{id(fn)}"
+            copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                      fn.__closure__)
+            copy.__kwdefaults__ = fn.__kwdefaults__
+            copy.__dict__.update(fn.__dict__)
+            copy.__qualname__ = fn.__qualname__
+            guard.originals[key] = copy
+            guard.labels[key] = label
+            stub = _stub_code(fn, key)
+            guard.stubbed[id(fn)] = (fn, fn.__code__)
+            fn.__code__ = stub
+            guard.modules.add(fn.__module__)
+    except BaseException:
+        for fn, code in guard.stubbed.values():
+            fn.__code__ = code
+        raise
+    guard.finder = _ReloadBlocker(guard.modules)
+    sys.meta_path.insert(0, guard.finder)
+    _GUARD = guard
+
+
+def uninstall() -> None:
+    """Give every stubbed function its code back (a no-op when no guard is installed)."""
+    global _GUARD
+    guard, _GUARD = _GUARD, None
+    if guard is None:
+        return
+    for fn, code in guard.stubbed.values():
+        fn.__code__ = code
+    if guard.finder in sys.meta_path:
+        sys.meta_path.remove(guard.finder)
+
+
+def installed() -> tuple[str, ...]:
+    """The names the installed guard was given (empty when none is installed)."""
+    return _GUARD.names if _GUARD is not None else ()
+
+
+@contextlib.contextmanager
+def guarded(names: Iterable[str], tests_dir: str | None = None) -> Iterator[None]:
+    """``install`` for the duration of a ``with`` block."""
+    install(names, tests_dir)
+    try:
+        yield
+    finally:
+        uninstall()
+
+
+# ----------------------------------------------------------------------------- reference values
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {_CAPSLIB_DIR}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        if paths.get(key):
+            dirs.add(str(Path(paths[key]).resolve()))
+    for p in sys.path:  # site-packages folders of the running environment (venvs, user site)
+        if p and os.path.basename(p) in ("site-packages", "dist-packages"):
+            dirs.add(str(Path(p).resolve()))
+    return tuple(d + os.sep for d in dirs)
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def _frame_kind(filename: str) -> str:
+    """'test', 'library' or 'submission' for the file a frame's code was compiled from."""
+    if filename.startswith("<frozen ") or filename.startswith("<capslib.grading stub"):
+        return "library"
+    if filename.startswith("<"):
+        return "submission"  # exec'd strings, IPython input
+    path = str(Path(filename).resolve())
+    guard = _GUARD
+    if guard is not None and guard.tests_dir is not None:
+        if path in guard.test_files:
+            return "test"
+    elif Path(path).parent.name == "tests" and path.endswith(".py"):
+        return "test"
+    if path.startswith(_LIBRARY_DIRS):
+        return "library"
+    return "submission"
+
+
+def _check_caller(what: str, frame: types.FrameType | None) -> None:
+    while frame is not None:
+        kind = _frame_kind(frame.f_code.co_filename)
+        if kind == "test":
+            return
+        if kind == "submission":
+            raise DelegationError(
+                f"{what} may be called only by the assignment's test files; it was reached through "
+                f"{frame.f_code.co_name!r} in {frame.f_code.co_filename} (submission code)")
+        frame = frame.f_back
+    raise DelegationError(f"{what} may be called only by the assignment's test files")
+
+
+def reference(name: str) -> Callable[..., Any]:
+    """The capslib implementation ``name`` (e.g. ``"capslib.rem.quantize"``) for a test to compare with.
+
+    The only way a test should compute expected values. Works whether or not a guard is
+    installed; refuses (:class:`DelegationError`) when called, or when the callable it returns is
+    called, with submission code between the caller and the nearest test-file frame.
+    """
+    what = f"capslib.grading.reference({name!r})"
+    _check_caller(what, sys._getframe(1))
+    target = resolve(name)
+    if not callable(target):
+        raise ValueError(f"{name!r} is not callable ({type(target).__name__})")
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _check_caller(what, sys._getframe(1))
+        with _reference_mode():
+            return target(*args, **kwargs)
+
+    run.__name__ = f"reference_{name.rsplit('.', 1)[-1]}"
+    run.__doc__ = f"capslib's {name}, for tests only."
+    return run
+
+
+# ----------------------------------------------------------------------------- the otter plugin
+
+def _guard_names(config: Any) -> list[str]:
+    if not isinstance(config, dict) or "guard" not in config:
+        raise ValueError("capslib.grading.NoDelegation needs a config {guard: [dotted capslib names]}; "
+                         f"got {config!r}")
+    names = config["guard"]
+    if isinstance(names, str) or not isinstance(names, list) or not names:
+        raise ValueError(f"NoDelegation's guard must be a non-empty list of dotted capslib names; got {names!r}")
+    for n in names:
+        _functions_of(n, resolve(n))  # fails early, at otter assign, on a name that guards nothing
+    delegates = config.get("delegates", {})
+    if not isinstance(delegates, dict):
+        raise ValueError(f"NoDelegation's delegates must map student names to capslib names; got {delegates!r}")
+    return names
+
+
+GUARD_CELL = """\
+import capslib.grading as _capslib_grading
+_capslib_grading.install({names!r}, tests_dir="./tests")
+del _capslib_grading
+"""
+
+
+class NoDelegation(AbstractOtterPlugin):
+    """Otter plugin: grade with the configured capslib callables stubbed (see the module docstring).
+
+    ``before_execution`` puts a cell that calls :func:`install` before the submission's first
+    cell; otter's own set-up cell still comes first, so the guard is in place before any student
+    code or ``grader.check`` runs.
+    """
+
+    def __init__(self, submission_path, submission_metadata, plugin_config):
+        super().__init__(submission_path, submission_metadata, plugin_config)
+        self.names = _guard_names(plugin_config)
+
+    def before_execution(self, submission):
+        source = GUARD_CELL.format(names=list(self.names))
+        if isinstance(submission, str):
+            return source + "\n" + submission
+        import nbformat
+        submission.cells.insert(0, nbformat.v4.new_code_cell(source))
+        return submission
+
+
+def delegates(config: dict) -> dict[str, str]:
+    """Student function name -> capslib name, for the delegation tests (convention: ``my_<name>``)."""
+    pairs = {f"my_{n.rsplit('.', 1)[-1]}": n for n in _guard_names(config)
+             if not isinstance(resolve(n), (type, types.ModuleType))}
+    pairs.update(config.get("delegates", {}))
+    return pairs

@@ -27,23 +27,28 @@ CHAPTERS ?=
 
 .PHONY: bench bundle test-bundle book test unit notebooks build-strict reproduce smoke data assignments clean venv lock spread
 
+# pip's output goes to _build/install.log (its last lines are printed if it fails)
 $(STAMP): $(LOCK) pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -r $(LOCK)
-	$(PY) -m pip install --no-deps -e .
-	$(PY) -m pip check
-	touch $(STAMP)
+	@mkdir -p _build; echo "installing $(LOCK) into $(VENV) (log: _build/install.log)"; start=$$(date +%s); \
+	{ test -x $(PY) || $(PYTHON) -m venv $(VENV); } > _build/install.log 2>&1 && \
+	$(PY) -m pip install -r $(LOCK) >> _build/install.log 2>&1 && \
+	$(PY) -m pip install --no-deps -e . >> _build/install.log 2>&1 && \
+	$(PY) -m pip check >> _build/install.log 2>&1 || { tail -n 30 _build/install.log; exit 1; }; \
+	echo "installed in $$(( $$(date +%s) - start )) s"
+	@touch $(STAMP)
 
 venv: $(STAMP)
 
+# make book executes copies of the notebooks in _build/book-src (tracked files are never touched,
+# results go to _build/book-src/book/results), each cell limited to BOOK_CELL_TIMEOUT seconds, and
+# builds the HTML from them; PROFILE=ci or full overrides the machine's default (full on a GPU).
+PROFILE ?= auto
+BOOK_CELL_TIMEOUT ?= 1800
 book: $(STAMP)
-	@for nb in $(NOTEBOOKS); do \
-	  start=$$(date +%s); \
-	  CAPSBOOK_PROGRESS=0 $(PY) -m jupyter nbconvert --to notebook --execute --inplace \
-	    --ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 "$$nb" || exit 1; \
-	  echo "executed $$nb in $$(( $$(date +%s) - start )) s"; \
-	done
-	$(VENV)/bin/jupyter-book build . --builder html
+	@$(PY) -m capslib.reproduce --profile $(PROFILE) --timeout $(BOOK_CELL_TIMEOUT) --into _build/book-src all
+	@start=$$(date +%s); $(VENV)/bin/jupyter-book build _build/book-src --builder html --path-output . \
+	  > _build/book-build.log 2>&1 || { tail -n 30 _build/book-build.log; exit 1; }; \
+	  echo "built the HTML in $$(( $$(date +%s) - start )) s (log: _build/book-build.log)"
 	@echo "book: _build/html/index.html"
 
 test: unit notebooks build-strict
@@ -76,7 +81,7 @@ build-strict: $(STAMP)
 # time (trainings resume from their checkpoints); no CHAPTERS: every chapter, then the book.
 reproduce: $(STAMP)
 	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.reproduce --profile full $(CHAPTERS); \
-	  else CAPSBOOK_PROFILE=full $(MAKE) book; fi
+	  else $(PY) -m capslib.reproduce --profile full all && $(MAKE) build-strict; fi
 
 # the offline bundle for a GPU node without internet (PYTHON_VERSION: the node's Python)
 PYTHON_VERSION ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')

@@ -14,12 +14,18 @@ A notebook that raises is not written back (its executed copy goes to
 
 This is what ``make reproduce CHAPTERS="02 04"`` runs; it needs no Jupyter server, only
 ``nbclient`` and ``ipykernel`` (see the offline bundle, ``make bundle``).
+
+``--into DIR`` (what ``make book`` runs) leaves every tracked file alone: the book's sources are
+copied into ``DIR``, the copies are executed there (every chapter and the scoreboard with ``all``),
+results go to ``DIR/book/results`` (``$CAPSBOOK_RESULTS``), and ``jupyter-book build DIR`` then
+publishes them. One line per notebook: its time and profile.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,20 +50,45 @@ def notebook_of(chapter: str) -> Path:
     return found[0]
 
 
-def execute(path: Path, profile: str, timeout: int | None = None) -> tuple[bool, float, object]:
+def every_notebook() -> list[Path]:
+    """Every chapter in order, then the scoreboard (which reads their results)."""
+    return sorted(BOOK.glob("[0-9]*.ipynb")) + [BOOK / "scoreboard.ipynb"]
+
+
+# What ``--into`` copies: the book's configuration and sources, never results or checkpoints.
+SOURCES = ("_config.yml", "_toc.yml", "references.bib")
+
+
+def stage(into: Path) -> Path:
+    """Copy the book's sources into ``into`` (emptied first); returns the copied ``book`` folder."""
+    into = Path(into).resolve()
+    if into == ROOT or ROOT.is_relative_to(into) or into.is_relative_to(BOOK):
+        raise ValueError(f"--into must be a folder outside the book's sources; got {into}")
+    shutil.rmtree(into, ignore_errors=True)
+    (into / "book").mkdir(parents=True)
+    for name in SOURCES:
+        shutil.copy2(ROOT / name, into / name)
+    for path in BOOK.iterdir():
+        if path.is_file() and path.suffix in (".md", ".ipynb", ".yml", ".bib"):
+            shutil.copy2(path, into / "book" / path.name)
+    return into / "book"
+
+
+def execute(path: Path, profile: str, timeout: int | None = None, env: dict | None = None) -> tuple[bool, float, object]:
     """Execute ``path`` at ``profile``; returns (succeeded, seconds, executed notebook)."""
     import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
-    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_PROGRESS": "0"}
+    from .execute import client, environment
+
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     try:
-        client.execute(env=env)
+        client(nb, path, timeout=timeout).execute(env=environment(profile, **(env or {})))
         ok = True
+    except CellTimeoutError as err:
+        print(f"{path.name}: a cell ran past {timeout} s: {str(err)[:300]}", file=sys.stderr)
+        ok = False
     except CellExecutionError as err:
         if getattr(err, "ename", "") == "TimeLimitReached":
             print(f"{path.name}: incomplete, {err.evalue}", file=sys.stderr)
@@ -81,20 +112,37 @@ def record_wall_time(path: Path, profile: str, seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m capslib.reproduce", description=__doc__.splitlines()[0])
-    p.add_argument("chapters", nargs="+", help="chapter numbers (02 04 ...) or notebook names")
-    p.add_argument("--profile", default="full", choices=["ci", "full"])
+    p.add_argument("chapters", nargs="+", help="chapter numbers (02 04 ...) or notebook names; 'all': every one")
+    p.add_argument("--profile", default="full", choices=["ci", "full", "auto"],
+                   help="auto: this machine's (full with a GPU, else ci)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per cell (default: none)")
+    p.add_argument("--into", type=Path, default=None,
+                   help="execute copies in this folder (tracked files untouched) instead of in place")
     a = p.parse_args(argv)
     import nbformat
 
-    paths = [notebook_of(c) for c in a.chapters]
+    from . import profiles
+
+    profile = profiles.current() if a.profile == "auto" else a.profile
+    paths = every_notebook() if a.chapters == ["all"] else [notebook_of(c) for c in a.chapters]
+    if a.into is not None:
+        staged = stage(a.into)
+        env = {"CAPSBOOK_RESULTS": str(staged / "results")}
+        failed = 0
+        for path in paths:
+            copy = staged / path.name
+            ok, seconds, nb = execute(copy, profile, a.timeout, env)
+            nbformat.write(nb, copy)
+            print(f"{'executed' if ok else 'FAILED  '} {path.name} at {profile} in {seconds:.0f} s", flush=True)
+            failed += not ok
+        return 1 if failed else 0
     failed = 0
     for path in paths:
-        ok, seconds, nb = execute(path, a.profile, a.timeout)
+        ok, seconds, nb = execute(path, profile, a.timeout)
         if ok:
             nbformat.write(nb, path)
-            record_wall_time(path, a.profile, seconds)
-            print(f"executed {path.name} at {a.profile} in {seconds:.0f} s", flush=True)
+            record_wall_time(path, profile, seconds)
+            print(f"executed {path.name} at {profile} in {seconds:.0f} s", flush=True)
         else:
             out = ROOT / "_build" / "reproduce"
             out.mkdir(parents=True, exist_ok=True)

@@ -15,13 +15,17 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "book" / "results"
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED_DIR = ROOT / "book" / "results"
+# ``$CAPSBOOK_RESULTS`` redirects what a run writes and reads first (``make book`` executes copies of
+# the notebooks and keeps their results in its build folder, so no tracked file changes).
+RESULTS_DIR = Path(os.environ.get("CAPSBOOK_RESULTS", "").strip() or COMMITTED_DIR)
 
 
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=RESULTS_DIR.parent.parent, timeout=5)
+                             cwd=ROOT, timeout=5)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -84,7 +88,12 @@ def all_results() -> list[dict]:
     """Every recorded payload of the real runs, all profiles (not smoke or spread runs)."""
     from .profiles import PROFILES
 
-    return [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*/*.json")) if p.parent.name in PROFILES]
+    found = {}
+    for folder in dict.fromkeys([COMMITTED_DIR, RESULTS_DIR]):  # a redirected run's own files win
+        for p in sorted(folder.glob("*/*.json")):
+            if p.parent.name in PROFILES:
+                found[(p.parent.name, p.name)] = p
+    return [json.loads(p.read_text()) for _, p in sorted(found.items())]
 
 
 def glue(name: str, value, display: bool = False):

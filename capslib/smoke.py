@@ -17,7 +17,6 @@ every ``full`` code path, slowly.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time
@@ -34,13 +33,13 @@ def chapter_notebooks() -> list[Path]:
 def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = None) -> dict:
     """Execute one notebook in a smoke run; returns its seconds and errors by kind."""
     import nbformat
-    from nbclient import NotebookClient
 
-    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_SMOKE": "1", "CAPSBOOK_PROGRESS": "0"}  # for the kernel only
+    from .execute import client as notebook_client, environment
+
+    env = environment(profile, CAPSBOOK_SMOKE="1")  # for the kernel only
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = notebook_client(nb, path, timeout=timeout, allow_errors=True)
     claims, crashes = [], []
     try:
         client.execute(env=env)

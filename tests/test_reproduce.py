@@ -84,3 +84,48 @@ def test_bundle_run_script_installs_without_an_index():
     assert "--no-index" in bundle.RUN_SH and "capslib.reproduce" in bundle.RUN_SH
     with pytest.raises(SystemExit):
         bundle.main(["--python-version", "three"])
+
+
+def test_sliced_wait_reads_a_message_that_a_long_poll_would_miss():
+    """A channel whose poll misses the wake-up (the stall): one long wait sleeps until its timeout,
+    the sliced wait reads the message at its next slice; the overall timeout still holds."""
+    import asyncio
+    import time
+    from queue import Empty
+
+    from capslib import execute
+
+    ready_at = time.monotonic() + 0.3
+
+    async def missing_poll(timeout=None):  # like an edge-triggered poll that missed its wake-up
+        if time.monotonic() < ready_at:
+            await asyncio.sleep(timeout if timeout is not None else 3600)
+            raise Empty
+        return {"msg": "reply"}
+
+    start = time.monotonic()
+    assert asyncio.run(execute.sliced(missing_poll, 0.1)(timeout=30)) == {"msg": "reply"}
+    assert time.monotonic() - start < 2
+    start = time.monotonic()
+    assert asyncio.run(execute.sliced(missing_poll, 0.1)(timeout=None)) == {"msg": "reply"}  # no deadline
+    ready_at = time.monotonic() + 3600
+    start = time.monotonic()
+    with pytest.raises(Empty):
+        asyncio.run(execute.sliced(missing_poll, 0.1)(timeout=0.35))
+    assert 0.3 < time.monotonic() - start < 1.5
+    with pytest.raises(ValueError, match="slice_seconds must be positive"):
+        execute.sliced(missing_poll, 0)
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        execute.client(None, reproduce.BOOK / "x.ipynb", timeout=-1)
+
+
+def test_book_execution_stages_copies_outside_the_sources(tmp_path):
+    book = reproduce.stage(tmp_path / "src")
+    assert (book.parent / "_config.yml").exists() and (book.parent / "_toc.yml").exists()
+    names = {p.name for p in book.iterdir()}
+    assert {p.name for p in reproduce.every_notebook()} <= names and "intro.md" in names
+    assert "results" not in names
+    assert reproduce.every_notebook()[-1].name == "scoreboard.ipynb"
+    for bad in (reproduce.ROOT, reproduce.BOOK / "sub", reproduce.ROOT.parent):
+        with pytest.raises(ValueError, match="--into must be a folder outside"):
+            reproduce.stage(bad)

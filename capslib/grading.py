@@ -446,3 +446,67 @@ def delegates(config: dict) -> dict[str, str]:
              if not isinstance(resolve(n), (type, types.ModuleType))}
     pairs.update(config.get("delegates", {}))
     return pairs
+
+
+# ----------------------------------------------------------------------------- building the package
+
+def autograder_zip(out: str | Path) -> Path:
+    """The autograder zip that :func:`build` wrote under ``out``."""
+    zips = sorted(Path(out, "autograder").glob("*-autograder.zip"))
+    if len(zips) != 1:
+        raise FileNotFoundError(f"expected one *-autograder.zip in {Path(out, 'autograder')}; found {zips}")
+    return zips[0]
+
+
+def build(master: str | Path, out: str | Path) -> Path:
+    """Otter Assign on one master into ``out`` (``student/``, ``autograder/``), and a zip that grades.
+
+    The zip otter generates is renamed ``<name>-autograder.zip`` (no time stamp) and gets capslib's
+    source twice: at the top (next to ``run_otter.py``, so that the grading process can import the
+    :class:`NoDelegation` plugin on Gradescope) and under ``files/`` (copied beside the submission, so
+    that the notebook's kernel imports the same capslib). Returns the zip's path.
+    """
+    import shutil
+    import zipfile
+
+    from otter.assign import main as otter_assign
+
+    master, out = Path(master).resolve(), Path(out).resolve()
+    if not master.is_file() or master.suffix != ".ipynb":
+        raise ValueError(f"master must be an otter master notebook (.ipynb); got {master}")
+    if out.exists():
+        shutil.rmtree(out)
+    otter_assign(str(master), str(out), no_pdfs=True)
+    made = sorted((out / "autograder").glob("*-autograder_*.zip"))
+    if len(made) != 1:
+        raise RuntimeError(f"otter assign did not write one autograder zip for {master.name} "
+                           f"(is 'generate' set in its ASSIGNMENT CONFIG?); found {made}")
+    target = out / "autograder" / f"{master.stem}-autograder.zip"
+    made[0].rename(target)
+    sources = sorted(p for p in Path(_CAPSLIB_DIR).glob("*.py"))
+    with zipfile.ZipFile(target, "a", compression=zipfile.ZIP_DEFLATED) as zf:
+        for p in sources:
+            zf.write(p, arcname=f"capslib/{p.name}")
+            zf.write(p, arcname=f"files/capslib/{p.name}")
+    return target
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m capslib.grading",
+                                     description="Student notebooks and autograder zips of otter masters")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="otter assign each master into OUT/<master name>/")
+    b.add_argument("masters", nargs="+")
+    b.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    for m in args.masters:
+        dest = Path(args.out) / Path(m).stem
+        zip_path = build(m, dest)
+        print(f"{m} -> {dest}/student (hand out), {zip_path} (upload to Gradescope or grade with otter run)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

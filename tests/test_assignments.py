@@ -1,94 +1,319 @@
-"""The otter-grader assignments under book/assignments/: each master generates a student version
-without solutions, its tests pass on the master's solutions, and they fail on the blank stubs
-(so no test is vacuous)."""
+"""The otter-grader assignments under book/assignments/ (issue 16).
+
+Every master is built as an instructor builds it (``capslib.grading.build``: otter assign, the
+autograder zip with capslib inside). For every master, in-process with the same guard the otter
+plugin installs (``capslib.grading.install``): the solutions earn every point (hidden tests
+included), the blank student version earns none, and each delegation route -- for every student
+function paired with a capslib callable -- earns nothing on its question, with the
+DelegationError as the reason, while the same route without the guard does earn points (so the
+zero comes from the guard, not from a broken wrapper). Through otter's own grading of the zip (a
+separate kernel, ``otter.api.grade_submission``) on assignment 6 only, to keep the time down:
+the solved notebook gets full marks, the blank one zero, and three notebooks that together use
+every delegation route get zero on each delegating question.
+"""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import nbclient
 import nbformat
 import otter.test_files as otter_test_files
 import pytest
 
-MASTERS = sorted((Path(__file__).resolve().parents[1] / "book" / "assignments").glob("*.ipynb"))
+import capslib.grading as grading
 
+ROOT = Path(__file__).resolve().parents[1]
+MASTERS = sorted((ROOT / "book" / "assignments").glob("*.ipynb"))
+OTTER_GRADED = "a6_parse_tree_entropy"        # the assignment graded through otter's own runner
+ROUTES = ("alias_before_install", "alias", "wrapper", "getattr", "import_inside", "importlib",
+          "from_import", "reference", "reload")
+
+
+# ----------------------------------------------------------------------------- helpers
 
 def _code_cells(notebook: Path) -> list[str]:
-    cells = json.loads(notebook.read_text())["cells"]
-    return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    nb = nbformat.read(notebook, as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "code"]
 
 
-def _environment(notebook: Path) -> dict:
-    """Run a generated notebook's own code (not the grader cells) in a fresh namespace."""
-    env: dict = {"__name__": "__assignment__"}
-    for src in _code_cells(notebook):
-        if "otter" in src or "grader." in src:
+def _config(out: Path) -> dict:
+    """The NoDelegation plugin's configuration in the generated autograder."""
+    cfg = json.loads((out / "autograder" / "otter_config.json").read_text())
+    for plugin in cfg.get("plugins", []):
+        if isinstance(plugin, dict) and "capslib.grading.NoDelegation" in plugin:
+            return plugin["capslib.grading.NoDelegation"]
+    raise AssertionError(f"{out.name}: the master does not configure capslib.grading.NoDelegation")
+
+
+def _split(name: str) -> tuple[str, list[str]]:
+    """'capslib.rem.quantize' -> ('capslib.rem', ['quantize']): the longest importable prefix."""
+    import importlib
+    parts = name.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:k]))
+        except ImportError:
             continue
-        exec(compile(src, str(notebook), "exec"), env)
-    return env
+        return ".".join(parts[:k]), parts[k:]
+    raise ValueError(name)
 
 
-def _grade(tests_dir: Path, env: dict) -> dict[str, tuple[float, float, bool]]:
+def _route_source(route: str, fn: str, target: str) -> str:
+    """A definition of the student function ``fn`` that delegates to ``target`` by ``route``."""
+    module, attrs = _split(target)
+    chain = "".join(f".{a}" for a in attrs)
+    head = f"def {fn}(*args, **kwargs):\n"
+    if route in ("alias", "alias_before_install"):
+        pre = f"import {module}\n_alias_{fn} = {module}{chain}\n" if route == "alias" else ""
+        return pre + head + f"    return _alias_{fn}(*args, **kwargs)\n"
+    if route == "wrapper":
+        return f"import {module}\n" + head + f"    return {module}{chain}(*args, **kwargs)\n"
+    if route == "getattr":
+        get = module
+        for a in attrs:
+            get = f"getattr({get}, {a!r})"
+        return f"import {module}\n" + head + f"    return {get}(*args, **kwargs)\n"
+    if route == "import_inside":
+        return head + f"    import {module}\n    return {module}{chain}(*args, **kwargs)\n"
+    if route == "importlib":
+        rest = "".join(f".{a}" for a in attrs[1:])
+        return ("import importlib\n" + head +
+                f"    return getattr(importlib.import_module({module!r}), {attrs[0]!r}){rest}(*args, **kwargs)\n")
+    if route == "from_import":
+        rest = "".join(f".{a}" for a in attrs[1:])
+        return f"from {module} import {attrs[0]} as _from_{fn}\n" + head + f"    return _from_{fn}{rest}(*args, **kwargs)\n"
+    if route == "reference":
+        return "import capslib.grading\n" + head + \
+            f"    return capslib.grading.reference({target!r})(*args, **kwargs)\n"
+    if route == "reload":
+        defining = grading.resolve(target).__module__
+        return (f"import importlib, sys, {module}\n" + head +
+                f"    importlib.reload(sys.modules[{defining!r}])\n"
+                f"    return {module}{chain}(*args, **kwargs)\n")
+    raise ValueError(route)
+
+
+def _exec_cells(cells: list[str], env: dict, label: str) -> None:
+    """Run submission cells as a kernel would with errors allowed: a failing cell is skipped."""
+    for i, src in enumerate(cells):
+        if "grader" in src or "otter" in src:
+            continue
+        try:
+            exec(compile(src, f"<{label} cell {i}>", "exec"), env)
+        except Exception:
+            pass
+
+
+def _grade(tests_dir: Path, env: dict, only: set[str] | None = None) -> dict[str, dict]:
     out = {}
     for path in sorted(tests_dir.glob("q*.py")):
-        tf = otter_test_files.ExceptionTestFile.from_file(str(path))
+        if only is not None and path.stem not in only:
+            continue
+        tf = otter_test_files.ExceptionTestFile.from_file(str(path.resolve()))
         tf.run(env)
-        out[path.stem] = (tf.score, tf.possible, tf.passed_all)
+        out[path.stem] = {"score": tf.score, "possible": tf.possible,
+                          "messages": [r.message for r in tf.test_case_results if not r.passed]}
     return out
 
 
+def _questions_using(tests_dir: Path, fn: str) -> set[str]:
+    return {p.stem for p in tests_dir.glob("q*.py") if f"({fn})" in p.read_text() or f"{fn}," in p.read_text()}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_matplotlib(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    monkeypatch.setattr(plt, "show", lambda *a, **k: None)
+    yield
+    plt.close("all")
+
+
 @pytest.fixture(scope="module", params=MASTERS, ids=[m.stem for m in MASTERS])
-def generated(request, tmp_path_factory):
+def built(request, tmp_path_factory):
     master = request.param
     out = tmp_path_factory.mktemp(master.stem)
-    subprocess.run([sys.executable, "-m", "otter", "assign", str(master), str(out)],
-                   check=True, capture_output=True, text=True)
-    return master, out
+    zip_path = grading.build(master, out)
+    return master, out, zip_path
 
+
+@pytest.fixture(scope="module")
+def solved_env(built):
+    """The solved notebook's namespace, its cells run with the assignment's guard installed."""
+    master, out, _ = built
+    cfg = _config(out)
+    tests_dir = out / "autograder" / "tests"
+    env: dict = {"__name__": "__submission__"}
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+        _exec_cells(_code_cells(out / "autograder" / master.name), env, "solution")
+    return env
+
+
+# ----------------------------------------------------------------------------- every master
 
 def test_there_are_assignments():
-    assert len(MASTERS) >= 2
+    assert len(MASTERS) >= 3
 
 
-def test_student_version_has_no_solutions(generated):
-    master, out = generated
+def test_student_version_has_no_solutions(built):
+    master, out, zip_path = built
     student = out / "student" / master.name
     code = "\n".join(_code_cells(student))
-    assert "SOLUTION" not in code
-    stubs = [src for src in _code_cells(student) if src.startswith("def my_")]
+    assert "BEGIN SOLUTION" not in code and "END SOLUTION" not in code
+    stubs = [src for src in _code_cells(student) if src.lstrip().startswith("def my_")]
     assert stubs and all(src.rstrip().endswith("...") for src in stubs)
-    assert sorted(p.name for p in (out / "student" / "tests").glob("q*.py")) == \
-        sorted(p.name for p in (out / "autograder" / "tests").glob("q*.py"))
+    # no hidden test reaches the student's folder, and no written answer either
+    public = {p.name for p in (out / "student" / "tests").glob("q*.py")}
+    assert public == {p.name for p in (out / "autograder" / "tests").glob("q*.py")}
+    for p in (out / "student" / "tests").glob("q*.py"):
+        assert "hidden=True" not in p.read_text()
+    solved_md = [c.source for c in nbformat.read(out / "autograder" / master.name, 4).cells
+                 if c.cell_type == "markdown"]
+    student_md = "\n".join(c.source for c in nbformat.read(student, 4).cells if c.cell_type == "markdown")
+    answers = [s for s in solved_md if s not in student_md]
+    assert all(a[:60] not in student_md for a in answers)
 
 
-def test_solutions_pass_every_test_hidden_included(generated):
-    master, out = generated
-    grades = _grade(out / "autograder" / "tests", _environment(out / "autograder" / master.name))
-    assert grades and all(passed for _, _, passed in grades.values()), grades
-    assert sum(score for score, _, _ in grades.values()) == sum(p for _, p, _ in grades.values())
+def test_zip_is_complete(built):
+    import zipfile
+    master, out, zip_path = built
+    names = set(zipfile.ZipFile(zip_path).namelist())
+    assert {"run_autograder", "setup.sh", "otter_config.json", "environment.yml",
+            "capslib/grading.py", "files/capslib/grading.py"} <= names
+    assert {f"tests/{p.name}" for p in (out / "autograder" / "tests").glob("q*.py")} <= names
 
 
-def test_blank_stubs_fail_every_public_test(generated):
-    master, out = generated
-    env = _environment(out / "student" / master.name)
-    public = _grade(out / "student" / "tests", env)
-    assert public and all(score == 0 for score, _, _ in public.values()), public
-    hidden = _grade(out / "autograder" / "tests", env)
-    assert all(not passed for _, _, passed in hidden.values()), hidden
+def test_tests_take_expected_values_only_from_reference(built):
+    """A test that called capslib directly would fail under the guard for every submission."""
+    master, out, _ = built
+    guarded_leaves = {n.rsplit(".", 1)[-1] for n in _config(out)["guard"]}
+    for p in (out / "autograder" / "tests").glob("q*.py"):
+        src = p.read_text()
+        for leaf in guarded_leaves:
+            for prefix in ("capslib.", "rem.", "routing.", "ops."):
+                assert f"{prefix}{leaf}(" not in src, f"{p.name} calls {leaf} directly; use reference()"
 
 
-def test_grader_cells_report_all_passed_in_a_kernel(generated):
-    """What a student sees: run the solved notebook in a real kernel, as they would."""
-    master, out = generated
-    path = out / "autograder" / master.name
-    nb = nbformat.read(path, as_version=4)
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}}).execute()
-    last = nb.cells[[i for i, c in enumerate(nb.cells) if "grader.check_all()" in c.source][-1]]
-    report = "".join(o.get("data", {}).get("text/plain", "") for o in last.outputs)
-    questions = sorted(p.stem for p in (out / "autograder" / "tests").glob("q*.py"))
-    for q in questions:
-        assert f"{q} results: All test cases passed!" in report, report
+def test_solutions_earn_every_point(built, solved_env):
+    master, out, _ = built
+    tests_dir = out / "autograder" / "tests"
+    with grading.guarded(_config(out)["guard"], tests_dir=str(tests_dir)):
+        grades = _grade(tests_dir, dict(solved_env))
+    assert grades and all(g["score"] == g["possible"] > 0 for g in grades.values()), grades
+
+
+def test_blank_student_version_earns_nothing(built):
+    master, out, _ = built
+    tests_dir = out / "autograder" / "tests"
+    env: dict = {"__name__": "__submission__"}
+    with grading.guarded(_config(out)["guard"], tests_dir=str(tests_dir)):
+        _exec_cells(_code_cells(out / "student" / master.name), env, "blank")
+        grades = _grade(tests_dir, env)
+    assert grades and all(g["score"] == 0 for g in grades.values()), grades
+
+
+def test_every_delegation_route_earns_nothing(built, solved_env):
+    master, out, _ = built
+    cfg = _config(out)
+    tests_dir = out / "autograder" / "tests"
+    pairs = {fn: target for fn, target in grading.delegates(cfg).items() if fn in solved_env}
+    assert pairs, f"{master.stem}: no student function is paired with a guarded capslib callable"
+    for fn, target in pairs.items():
+        questions = _questions_using(tests_dir, fn)
+        assert questions, f"no test calls {fn}"
+        for route in ROUTES:
+            src = _route_source(route, fn, target)
+            env = dict(solved_env)
+            if route == "alias_before_install":
+                env[f"_alias_{fn}"] = grading.resolve(target)   # taken before the stub exists
+            with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+                exec(compile(src, f"<route {route}>", "exec"), env)
+                grades = _grade(tests_dir, env, only=questions)
+            for q, g in grades.items():
+                assert g["score"] == 0, (fn, route, q, g)
+                assert all("DelegationError" in m for m in g["messages"]), (fn, route, q, g["messages"])
+            if route in ("reference", "reload"):
+                continue  # reference refuses submission frames with or without a guard; reload is blocked
+            control = dict(solved_env)
+            if route == "alias_before_install":
+                control[f"_alias_{fn}"] = grading.resolve(target)
+            exec(compile(src, f"<control {route}>", "exec"), control)
+            unguarded = _grade(tests_dir, control, only=questions)
+            assert sum(g["score"] for g in unguarded.values()) > 0, \
+                f"without the guard, {route} delegation of {fn} should earn points: {unguarded}"
+
+
+# ----------------------------------------------------------------------------- through otter
+
+def _notebook_with(notebook: Path, replacements: dict[str, str], dest: Path) -> Path:
+    nb = nbformat.read(notebook, as_version=4)
+    for fn, src in replacements.items():
+        cells = [c for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith(f"def {fn}(")]
+        assert len(cells) == 1, f"one cell must define {fn}"
+        cells[0].source = src
+    nbformat.write(nb, dest)
+    return dest
+
+
+_GRADE_SCRIPT = """
+import json, sys, otter.api
+r = otter.api.grade_submission(sys.argv[1], sys.argv[2], quiet=True)
+print("RESULTS" + json.dumps({k: {"score": v.score, "possible": v.possible,
+      "messages": [t.message for t in v.test_case_results if not t.passed]} for k, v in r.results.items()}))
+"""
+
+
+def _otter_grade(submission: Path, zip_path: Path) -> dict:
+    env = dict(os.environ, MPLBACKEND="Agg")
+    p = subprocess.run([sys.executable, "-c", _GRADE_SCRIPT, str(submission), str(zip_path)],
+                       capture_output=True, text=True, cwd=submission.parent, env=env, timeout=300)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULTS")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS"):])
+
+
+def test_otter_grades_the_zip(tmp_path):
+    master = next(m for m in MASTERS if m.stem == OTTER_GRADED)
+    out = tmp_path / "built"
+    zip_path = grading.build(master, out)
+    cfg = _config(out)
+    solved = out / "autograder" / master.name
+    pairs = grading.delegates(cfg)
+    fns = sorted(fn for fn in pairs if any(c.lstrip().startswith(f"def {fn}(") for c in _code_cells(solved)))
+    routes = [r for r in ROUTES if r != "alias_before_install"]   # nothing of a submission runs before the guard
+    # spread the routes over the paired functions: each notebook uses one route per function
+    plans: list[dict[str, str]] = []
+    for i, route in enumerate(routes):
+        k, fn = divmod(i, len(fns))
+        if k == len(plans):
+            plans.append({})
+        plans[k][fns[fn]] = route
+    submissions = {"solved": solved, "blank": out / "student" / master.name}
+    for k, plan in enumerate(plans):
+        d = tmp_path / f"routes{k}"
+        d.mkdir()
+        submissions[f"routes{k}"] = _notebook_with(
+            solved, {fn: _route_source(r, fn, pairs[fn]) for fn, r in plan.items()}, d / master.name)
+    for name in ("solved", "blank"):
+        d = tmp_path / name
+        d.mkdir()
+        submissions[name] = d / master.name
+        nbformat.write(nbformat.read(solved if name == "solved" else out / "student" / master.name, 4),
+                       submissions[name])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(zip(submissions, pool.map(lambda p: _otter_grade(p, zip_path), submissions.values())))
+    solved_r, blank_r = results["solved"], results["blank"]
+    assert solved_r and all(v["score"] == v["possible"] > 0 for v in solved_r.values()), solved_r
+    assert set(blank_r) == set(solved_r) and all(v["score"] == 0 for v in blank_r.values()), blank_r
+    tests_dir = out / "autograder" / "tests"
+    for k, plan in enumerate(plans):
+        r = results[f"routes{k}"]
+        for fn, route in plan.items():
+            for q in _questions_using(tests_dir, fn):
+                assert r[q]["score"] == 0, (route, fn, q, r[q])
+                assert all("DelegationError" in m for m in r[q]["messages"]), (route, fn, q, r[q]["messages"])

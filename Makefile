@@ -2,12 +2,14 @@
 #   make book       execute every chapter at this machine's profile, build _build/html
 #   make test       unit tests, every notebook under nbval at the ci profile, strict book build
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
+#   make publish    re-execute the committed notebooks in place from scratch (no resumed checkpoints)
 #                   (CHAPTERS="02 04": only those chapters, no build)
 #   make bundle     dist/offline: wheels, full MNIST, the book and run.sh for a GPU node without internet
 #                   (PYTHON_VERSION=3.12 for the node's Python); make test-bundle installs and runs it here
 #   make bench      training speed of each chapter's full model on this machine (images/s, TFLOP/s)
 #   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
-#   make assignments  student and autograder versions of the otter-grader masters in book/assignments/
+#   make assignments  per otter-grader master in book/assignments/: the student notebook and the autograder zip
+#   make book-student the HTML book without exercise solutions (_build/student/_build/html)
 #   make spread     re-measure every claim on a trained number over seeds and thread counts (about 75 min)
 #   make lock       re-resolve requirements.txt into requirements.lock in a clean venv
 SHELL := /bin/bash
@@ -25,7 +27,7 @@ TEST_THREADS ?= 2
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: bench bundle test-bundle book test unit notebooks build-strict reproduce smoke data assignments clean venv lock spread
+.PHONY: bench bundle test-bundle book publish test unit notebooks build-strict reproduce smoke data assignments book-student student-check clean venv lock spread
 
 # pip's output goes to _build/install.log (its last lines are printed if it fails)
 $(STAMP): $(LOCK) pyproject.toml
@@ -51,7 +53,7 @@ book: $(STAMP)
 	  echo "built the HTML in $$(( $$(date +%s) - start )) s (log: _build/book-build.log)"
 	@echo "book: _build/html/index.html"
 
-test: unit notebooks build-strict
+test: unit notebooks build-strict student-check
 
 unit: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q tests || exit 1; \
@@ -82,6 +84,13 @@ build-strict: $(STAMP)
 reproduce: $(STAMP)
 	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.reproduce --profile full $(CHAPTERS); \
 	  else $(PY) -m capslib.reproduce --profile full all && $(MAKE) build-strict; fi
+
+# make publish: the committed notebooks re-executed in place from a clean state (every training from
+# scratch, no checkpoint of an earlier execution), then the strict build; PROFILE as for make book
+publish: $(STAMP)
+	@$(PY) -m capslib.reproduce --profile $(PROFILE) --fresh all
+	@$(MAKE) --no-print-directory build-strict
+	$(PY) -m pytest -q tests/test_outputs.py
 
 # the offline bundle for a GPU node without internet (PYTHON_VERSION: the node's Python)
 PYTHON_VERSION ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -114,12 +123,23 @@ smoke: $(STAMP)
 data: $(STAMP)
 	$(PY) -m capslib.data fetch mnist
 
+# per master: _build/assignments/<name>/student/ (hand out) and autograder/<name>-autograder.zip
+# (otter run or Gradescope; capslib travels inside it)
 assignments: $(STAMP)
-	@for m in book/assignments/*.ipynb; do \
-	  out=_build/assignments/$$(basename $$m .ipynb); rm -rf $$out; \
-	  $(PY) -m otter assign $$m $$out || exit 1; \
-	  echo "$$m -> $$out/student (hand out) and $$out/autograder (keep)"; \
-	done
+	$(PY) -m capslib.grading build book/assignments/*.ipynb --out _build/assignments
+
+# the HTML book without exercise solutions (sphinx-exercise's hide_solutions), in _build/student/_build/html
+book-student: $(STAMP)
+	@start=$$(date +%s); $(PY) -m capslib.grading student-config --dest _build/student/_config.yml >/dev/null && \
+	  $(VENV)/bin/jupyter-book build . --builder html --config _build/student/_config.yml \
+	    --path-output _build/student --warningiserror --keep-going > _build/student-build.log 2>&1 \
+	    || { tail -n 30 _build/student-build.log; exit 1; }; \
+	  echo "student edition: _build/student/_build/html ($$(( $$(date +%s) - start )) s)"
+
+# every solution's text is in the book built by build-strict and none is in the student edition
+student-check: build-strict book-student
+	$(PY) -m capslib.grading check-student --normal _build/html --student _build/student/_build/html \
+	  book/*.ipynb book/*.md
 
 # The lock: requirements.txt resolved by pip in a clean venv and frozen (exact versions of
 # everything installed). torchvision is left out: every registry build of it is a CUDA build

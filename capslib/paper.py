@@ -18,6 +18,12 @@ FIELDS = {"quantity", "value", "decimals", "pm", "unit", "paper", "where", "chap
 REQUIRED = {"quantity", "value", "decimals", "unit", "paper", "where", "chapter"}
 UNITS = {"%", "bits", "nats", "min", "s", "M", ""}
 READINGS = {"percent", "error_percent", "value"}
+# ``book``: which recorded metric measures the entry's quantity (``metric``, read ``as``), how it was
+# spread over seeds (``seeds``: a path into the metrics, ``/``-separated, ``*`` for every seed) or
+# its binomial standard error (``se``: a metric), or, for a mean whose per-seed values were not
+# recorded, the metric listing its seeds (``seed_list``), and ``proxy: true`` when the book measures a stand-in
+# (another test set), which the scoreboard then keeps out of the paper's rows.
+BOOK_FIELDS = {"metric", "as", "note", "seeds", "se", "proxy", "seed_list"}
 
 
 def _bib_keys(path: Path = BIB) -> set[str]:
@@ -52,10 +58,16 @@ def validate(table: dict, bib_keys: set[str]) -> None:
             raise ValueError(f"paper entry {key!r}: pm must be a number")
         if "book" in e:
             b = e["book"]
-            if (not isinstance(b, dict) or not {"metric", "as"} <= set(b) <= {"metric", "as", "note"}
+            if (not isinstance(b, dict) or not {"metric", "as"} <= set(b) <= BOOK_FIELDS
                     or b["as"] not in READINGS):
                 raise ValueError(f"paper entry {key!r}: book must be {{metric: <name>, as: one of "
-                                 f"{sorted(READINGS)}[, note: <how this book's number differs>]}}")
+                                 f"{sorted(READINGS)}[, note: <how this book's number differs>], [seeds: <path>], "
+                                 f"[se: <metric> | seed_list: <metric>], [proxy: true]}}")
+            if sum(k in b for k in ("seeds", "se", "seed_list")) > 1:
+                raise ValueError(f"paper entry {key!r}: book gives one of seeds, se and seed_list")
+            if "proxy" in b and (b["proxy"] is not True or "note" not in b):
+                raise ValueError(f"paper entry {key!r}: book proxy must be true and come with a note saying "
+                                 f"how the book's quantity differs from the paper's")
 
 
 @lru_cache(maxsize=None)
@@ -124,3 +136,49 @@ def glue(chapter: str | None = None) -> list[str]:
 
 def is_key(obj) -> bool:
     return isinstance(obj, str) and obj in table()
+
+
+def _walk(node, parts: list[str], where: str) -> list:
+    if not parts:
+        return [node]
+    head, rest = parts[0], parts[1:]
+    if head == "*":
+        items = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if items is None:
+            raise KeyError(f"{where}: '*' needs a list or a mapping")
+        return [v for item in items for v in _walk(item, rest, where)]
+    if not isinstance(node, dict) or head not in node:
+        raise KeyError(f"{where}: no {head!r} among {sorted(node) if isinstance(node, dict) else type(node).__name__}")
+    return _walk(node[head], rest, where)
+
+
+def book_reading(key: str, metrics: dict) -> dict | None:
+    """This book's measurement of entry ``key`` from a results file's ``metrics``, in the paper's unit:
+    ``{"value", "half", "n", "how"}`` (``half``: 95 % half-width, Student-t over ``n`` seeds or
+    binomial for one run; None where the run gives none). None when the metric was not recorded."""
+    from . import stats
+
+    e = entry(key)
+    b = e.get("book")
+    if b is None:
+        raise KeyError(f"paper entry {key!r} names no book metric")
+    raw = metrics.get(b["metric"])
+    if raw is None or isinstance(raw, str):
+        return None
+    scale, flip = {"percent": (100.0, False), "error_percent": (100.0, True), "value": (1.0, False)}[b["as"]]
+    convert = (lambda v: scale * (1 - v)) if flip else (lambda v: scale * v)
+    if "seeds" in b:
+        values = [float(v) for v in _walk(metrics, b["seeds"].split("/"), f"{key}: seeds {b['seeds']!r}")]
+        summary = stats.summarise(values)
+        if abs(summary.mean - float(raw)) > 1e-6 * max(1.0, abs(float(raw))):
+            raise ValueError(f"{key}: the mean over seeds {summary.mean!r} is not the recorded {b['metric']} {raw!r}")
+        return {"value": convert(summary.mean), "half": scale * summary.half if summary.n > 1 else None,
+                "n": summary.n, "how": f"mean ± 95% t-interval, {summary.n} seeds"}
+    if "se" in b and metrics.get(b["se"]) is not None:
+        return {"value": convert(float(raw)), "half": scale * 1.96 * float(metrics[b["se"]]), "n": 1,
+                "how": "one run ± 95% binomial"}
+    if "seed_list" in b and isinstance(metrics.get(b["seed_list"]), list):
+        n = len(metrics[b["seed_list"]])
+        return {"value": convert(float(raw)), "half": None, "n": n,
+                "how": f"mean of {n} seeds (per-seed values not recorded)"}
+    return {"value": convert(float(raw)), "half": None, "n": 1, "how": "one run"}

@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="full", choices=["ci", "full", "auto"],
                    help="auto: this machine's (full with a GPU, else ci)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per cell (default: none)")
+    p.add_argument("--fresh", action="store_true",
+                   help="train everything from scratch: checkpoints in a new empty folder (make publish)")
     p.add_argument("--into", type=Path, default=None,
                    help="execute copies in this folder (tracked files untouched) instead of in place")
     a = p.parse_args(argv)
@@ -125,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = profiles.current() if a.profile == "auto" else a.profile
     paths = every_notebook() if a.chapters == ["all"] else [notebook_of(c) for c in a.chapters]
+    if a.fresh:  # the kernels inherit it; earlier checkpoints stay where they were, unused
+        fresh = ROOT / "_build" / "publish-checkpoints" / time.strftime("%Y%m%d-%H%M%S")
+        fresh.mkdir(parents=True)
+        os.environ["CAPSBOOK_CHECKPOINTS"] = str(fresh)
+        print(f"training from scratch: checkpoints in {fresh.relative_to(ROOT)}", flush=True)
     if a.into is not None:
         staged = stage(a.into)
         env = {"CAPSBOOK_RESULTS": str(staged / "results")}

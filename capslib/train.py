@@ -32,10 +32,13 @@ except ImportError:  # pragma: no cover
 
 
 def checkpoint_path(name: str, profile: str | None = None) -> Path:
-    """``data/checkpoints/<profile>/<name>.pt`` (git-ignored; ``<profile>-smoke`` in a smoke run)."""
+    """``data/checkpoints/<profile>/<name>.pt`` (git-ignored; ``<profile>-smoke`` in a smoke run).
+    ``$CAPSBOOK_CHECKPOINTS`` replaces ``data/checkpoints``: ``make publish`` points it at an empty
+    folder so that every training of the published outputs starts from scratch."""
     from . import profiles
 
-    return DATA_DIR / "checkpoints" / (profile or profiles.storage_name()) / f"{name}.pt"
+    root = os.environ.get("CAPSBOOK_CHECKPOINTS", "").strip()
+    return (Path(root) if root else DATA_DIR / "checkpoints") / (profile or profiles.storage_name()) / f"{name}.pt"
 
 
 def save_checkpoint(path: str | Path, state: dict) -> None:
@@ -353,7 +356,10 @@ def fit(
             start = int(state["epoch"])
             if "rng" in state:
                 torch.set_rng_state(state["rng"].cpu())
-            if start >= epochs:
+            if source != Path(checkpoint):  # a shared start (``start_from``), made earlier in this run
+                print(f"starting from {source.name} ({start} epoch{'s' * (start != 1)} trained), "
+                      f"training epochs {start + 1}-{epochs}")
+            elif start >= epochs:
                 print(f"loaded {source.name}: {start} epochs already trained")
             else:
                 print(f"resuming {source.name} at epoch {start + 1}/{epochs} (epochs 1-{start} trained earlier)")

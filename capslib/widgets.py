@@ -1,23 +1,37 @@
-"""Interactive figures. Every widget has a static twin: call ``draw`` yourself with fixed values.
+"""Interactive figures that work in a live notebook and in the HTML book alike.
 
-``interactive_figure(draw, **sliders)`` wraps a function that draws a figure
-from keyword values into ipywidgets sliders; outside a live kernel (the HTML
-book) the committed static figures carry the same content.
+``interactive_figure(draw, **controls)`` shows two things:
+
+* **in the page**, a frame player: ``draw`` is called once for every value of one control (the
+  first, or the one named by ``frames=``), each figure is saved as a PNG, and a small HTML player
+  (an ``<img>``, a range slider and the value shown beside it) steps through them with a few lines
+  of JavaScript and no kernel. Every frame is a full redraw, so its titles and labels are those of
+  its own value. Without JavaScript the page still shows the frame at the control's start value;
+* **in a running notebook**, the live ipywidgets controls (all of them), which call ``draw``
+  again on every change. Their saved view carries no plain-text fallback and the book's
+  configuration does not render widget views (``nb_mime_priority_overrides`` in ``_config.yml``), so
+  the HTML shows the player only, not a dead copy of the widget.
+
+The player checks itself when it is made: the frames must differ from one another (a control that
+does not change the drawing raises), so executing a chapter under nbval tests every widget's knob.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
+import html
+import io
+import itertools
 from typing import Callable
 
 import matplotlib.pyplot as plt
 
+FRAME_DPI = 100          # the book's figures are saved at this resolution too
+MAX_FRAMES = 60
+_ids = itertools.count()
 
-def interactive_figure(draw: Callable, **controls):
-    """``draw(**values) -> Figure`` driven by ipywidgets controls.
 
-    Each control is an ipywidgets widget, or a ``(min, max, step[, value])`` tuple
-    (int slider if all ints, float slider otherwise), or a list of options.
-    Returns the ``ipywidgets.interactive`` object (display it, or let the cell show it).
-    """
+def _controls(controls: dict) -> dict:
     import ipywidgets as w
 
     made = {}
@@ -25,19 +39,141 @@ def interactive_figure(draw: Callable, **controls):
         if isinstance(spec, w.Widget):
             made[name] = spec
         elif isinstance(spec, list):
+            if not spec:
+                raise ValueError(f"control {name!r}: the list of options is empty")
             made[name] = w.Dropdown(options=spec, description=name)
+        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], list):
+            if spec[1] not in spec[0]:
+                raise ValueError(f"control {name!r}: the start value {spec[1]!r} is not among the options {spec[0]}")
+            made[name] = w.Dropdown(options=spec[0], value=spec[1], description=name)
         elif isinstance(spec, tuple) and len(spec) in (3, 4):
             lo, hi, step = spec[:3]
+            if not step > 0 or hi < lo:
+                raise ValueError(f"control {name!r}: expected (min, max, step[, value]) with step > 0 and "
+                                 f"max >= min; got {spec!r}")
             value = spec[3] if len(spec) == 4 else lo
             cls = w.IntSlider if all(isinstance(v, int) for v in spec) else w.FloatSlider
             made[name] = cls(min=lo, max=hi, step=step, value=value, description=name, continuous_update=False)
         else:
-            raise TypeError(f"control {name!r} must be a widget, a list of options or a (min, max, step[, value]) "
-                            f"tuple; got {spec!r}")
+            raise TypeError(f"control {name!r} must be a widget, a list of options, (options, value) or a "
+                            f"(min, max, step[, value]) tuple; got {spec!r}")
+    return made
+
+
+def control_values(widget) -> list:
+    """Every value a slider or dropdown can take, in order."""
+    import ipywidgets as w
+
+    if isinstance(widget, w.Dropdown):
+        return [o[1] if isinstance(o, tuple) else o for o in widget.options]
+    if isinstance(widget, (w.IntSlider, w.FloatSlider)):
+        count = int(round((widget.max - widget.min) / widget.step)) + 1
+        values = [widget.min + k * widget.step for k in range(count)]
+        if isinstance(widget, w.IntSlider):
+            return [int(v) for v in values]
+        return [round(v, 10) for v in values]
+    raise TypeError(f"cannot list the values of a {type(widget).__name__}; use a slider or a dropdown")
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=FRAME_DPI, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def frames(draw: Callable, knob: str, values: list, fixed: dict) -> list[bytes]:
+    """PNG bytes of ``draw(**fixed, knob=value)`` for each value; raises if two frames are equal
+    (the knob would not change what the reader sees)."""
+    if not values:
+        raise ValueError(f"no values for the control {knob!r}")
+    if len(values) > MAX_FRAMES:
+        raise ValueError(f"control {knob!r} has {len(values)} values; a player holds at most {MAX_FRAMES} "
+                         f"frames: give it a coarser step or animate another control (frames=...)")
+    pngs = []
+    for value in values:
+        fig = draw(**{**fixed, knob: value})
+        if fig is None:
+            fig = plt.gcf()
+        pngs.append(_png(fig))
+    digests = [hashlib.sha256(p).hexdigest() for p in pngs]
+    same = [(values[i], values[j]) for i in range(len(values)) for j in range(i + 1, len(values))
+            if digests[i] == digests[j]]
+    if same:
+        raise AssertionError(f"control {knob!r}: the figure does not change between values {same[0][0]!r} and "
+                             f"{same[0][1]!r}")
+    return pngs
+
+
+def player_html(pngs: list[bytes], labels: list[str], start: int, title: str) -> str:
+    """A self-contained HTML player: the frame at ``start`` shown, a range slider to move."""
+    if len(pngs) != len(labels) or not 0 <= start < len(pngs):
+        raise ValueError("expected one label per frame and a start index among them")
+    uid = f"capsbook-player-{next(_ids)}-{hashlib.sha256(b''.join(pngs[:1])).hexdigest()[:8]}"
+    sources = [f"data:image/png;base64,{base64.b64encode(p).decode()}" for p in pngs]
+    script = (
+        "(function(){var root=document.getElementById('%s');"
+        "var frames=JSON.parse(root.querySelector('script[type=\"application/json\"]').textContent);"
+        "var img=root.querySelector('img'),slider=root.querySelector('input'),out=root.querySelector('output');"
+        "function show(){var k=parseInt(slider.value,10);img.src=frames.src[k];out.textContent=frames.labels[k];"
+        "img.alt=frames.title+': '+frames.labels[k];}"
+        "slider.addEventListener('input',show);})();" % uid)
+    import json
+
+    data = json.dumps({"src": sources, "labels": labels, "title": title}).replace("</", "<\\/")
+    return (
+        f'<div class="animation capsbook-player" id="{uid}">'
+        f'<img src="{sources[start]}" alt="{html.escape(title)}: {html.escape(labels[start])}" '
+        f'style="max-width:100%;height:auto">'
+        f'<div class="anim-controls"><label>{html.escape(title)} '
+        f'<input type="range" class="anim-slider" min="0" max="{len(pngs) - 1}" step="1" value="{start}"></label> '
+        f'<output>{html.escape(labels[start])}</output></div>'
+        f'<script type="application/json">{data}</script>'
+        f"<script>{script}</script></div>")
+
+
+class _LiveOnly:
+    """The live widget without its plain-text fallback (the HTML book shows the player instead)."""
+
+    def __init__(self, widget):
+        self.widget = widget
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        bundle = self.widget._repr_mimebundle_(include=include, exclude=exclude)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        return {k: v for k, v in (data or {}).items() if k != "text/plain"}
+
+
+def interactive_figure(draw: Callable, frames: str | None = None, **controls):
+    """``draw(**values) -> Figure`` driven by controls: a frame player for the page (over the control
+    ``frames``, default the first) and live ipywidgets for a running notebook (see the module).
+
+    Each control is an ipywidgets widget, or a ``(min, max, step[, value])`` tuple
+    (int slider if all ints, float slider otherwise), or a list of options (a dropdown starting at
+    the first), or ``(options, value)`` (a dropdown starting at ``value``).
+    Returns the live controls (the ``ipywidgets.interactive`` object is ``.widget``).
+    """
+    import ipywidgets as w
+    from IPython.display import HTML, display
+
+    if not controls:
+        raise ValueError("interactive_figure needs at least one control")
+    made = _controls(controls)
+    knob = frames or next(iter(made))
+    if knob not in made:
+        raise ValueError(f"frames must name one of the controls {sorted(made)}; got {knob!r}")
+    fixed = {name: c.value for name, c in made.items() if name != knob}
+    values = control_values(made[knob])
+    start = values.index(made[knob].value) if made[knob].value in values else 0
+    pngs = _frames_of(draw, knob, values, fixed)
+    title = f"{knob}" + (" (" + ", ".join(f"{k} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
+    display(HTML(player_html(pngs, [f"{knob} = {v}" for v in values], start, title)))
 
     def show(**values):
-        fig = draw(**values)
+        draw(**values)
         plt.show()
-        return None
 
-    return w.interactive(show, **made)
+    return _LiveOnly(w.interactive(show, **made))
+
+
+_frames_of = frames  # the module-level function, under a name the ``frames`` argument does not hide

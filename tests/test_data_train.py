@@ -313,7 +313,7 @@ def test_start_from_continues_a_shared_shorter_run(tmp_path, capsys):
     capsys.readouterr()
     continued = _tiny()
     h = train.fit(continued, d, _loss, epochs=2, batch_size=16, checkpoint=cont, start_from=start, progress=False)
-    assert "resuming start.pt at epoch 2/2" in capsys.readouterr().out and len(h["loss"]) == 2
+    assert "starting from start.pt (1 epoch trained), training epochs 2-2" in capsys.readouterr().out and len(h["loss"]) == 2
     for a, b in zip(straight.state_dict().values(), continued.state_dict().values()):
         torch.testing.assert_close(a, b)
     # a start of another configuration (other weights) is not continued
@@ -322,7 +322,7 @@ def test_start_from_continues_a_shared_shorter_run(tmp_path, capsys):
         other.digit.W.mul_(2)
     h = train.fit(other, d, _loss, epochs=2, batch_size=16, checkpoint=tmp_path / "other.pt", start_from=start,
                   progress=False)
-    assert "resuming" not in capsys.readouterr().out
+    assert "starting from" not in capsys.readouterr().out
 
 
 def test_session_reads_seed_and_threads_from_the_environment(monkeypatch):

@@ -41,6 +41,8 @@ def test_paper_unknown_key_is_a_clear_error():
     ({"chapter": 6}, "chapter must be two digits"),
     ({"book": {"metric": "x", "as": "log"}}, "book must be"),
     ({"colour": "red"}, "unknown"),
+    ({"book": {"metric": "x", "as": "value", "seeds": "a/*", "se": "b"}}, "one of seeds, se and seed_list"),
+    ({"book": {"metric": "x", "as": "value", "proxy": True}}, "proxy must be true and come with a note"),
 ])
 def test_paper_validation_names_the_entry_and_field(change, message):
     good = dict(paper.entry("rem_sparsity"))
@@ -52,6 +54,31 @@ def test_paper_scoreboard_mappings_read_known_metrics():
     for key, e in paper.table().items():
         if "book" in e:
             assert e["book"]["metric"].isidentifier(), key
+
+
+def test_book_reading_spread_over_seeds_binomial_or_none(monkeypatch):
+    """The scoreboard's cell: the mean over the seeds found by the path (checked against the recorded
+    metric), a binomial interval for one run, a plain value otherwise."""
+    entries = {
+        "s": {"book": {"metric": "acc", "as": "percent", "seeds": "per_seed/*/net/acc"}},
+        "b": {"book": {"metric": "acc", "as": "error_percent", "se": "acc_se"}},
+        "n": {"book": {"metric": "acc", "as": "percent", "seed_list": "seeds"}},
+        "o": {"book": {"metric": "acc", "as": "value"}},
+    }
+    monkeypatch.setattr(paper, "entry", lambda key: entries[key])
+    per_seed = {"0": {"net": {"acc": 0.90}}, "1": {"net": {"acc": 0.94}}, "2": {"net": {"acc": 0.92}}}
+    r = paper.book_reading("s", {"acc": 0.92, "per_seed": per_seed})
+    assert r["n"] == 3 and r["value"] == pytest.approx(92.0)
+    assert r["half"] == pytest.approx(100 * stats.summarise([0.90, 0.94, 0.92]).half)
+    with pytest.raises(ValueError, match="is not the recorded acc"):
+        paper.book_reading("s", {"acc": 0.95, "per_seed": per_seed})
+    with pytest.raises(KeyError, match="no 'net'"):
+        paper.book_reading("s", {"acc": 0.92, "per_seed": {"0": {"other": {}}}})
+    r = paper.book_reading("b", {"acc": 0.99, "acc_se": 0.001})
+    assert r["value"] == pytest.approx(1.0) and r["half"] == pytest.approx(0.196) and r["n"] == 1
+    assert paper.book_reading("n", {"acc": 0.5, "seeds": [0, 1]})["n"] == 2
+    assert paper.book_reading("o", {"acc": 0.5}) == {"value": 0.5, "half": None, "n": 1, "how": "one run"}
+    assert paper.book_reading("o", {"acc": None}) is None and paper.book_reading("o", {}) is None
 
 
 def test_paper_vs_book_takes_keys_and_refuses_typed_paper_numbers():

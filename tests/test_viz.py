@@ -22,3 +22,82 @@ def test_image_grid_both_layouts():
     fig2 = viz.image_grid(imgs[0], titles=list("abcde"))
     assert len(fig2.axes) == 5
     matplotlib.pyplot.close("all")
+
+
+def _draw_calls():
+    calls = []
+
+    def draw(iteration=3, scale=1.0):
+        calls.append((iteration, scale))
+        fig, ax = matplotlib.pyplot.subplots(figsize=(2, 2))
+        ax.plot([0, 1], [0, iteration * scale])
+        ax.set_title(f"after iteration {iteration}")
+        return fig
+    return draw, calls
+
+
+def test_interactive_figure_player_and_live_widget(monkeypatch):
+    """The page's player holds one distinct frame per slider value, starts at the slider's value and
+    labels each frame; the live widget redraws with the value a reader sets."""
+    import re
+
+    import IPython.display
+
+    from capslib import widgets
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    draw, calls = _draw_calls()
+    live = widgets.interactive_figure(draw, iteration=(1, 5, 1, 3), scale=(0.5, 1.5, 0.5, 1.0))
+    assert len(shown) == 1
+    page = shown[0].data
+    assert page.count("data:image/png;base64,") == 1 + 5  # the start frame's <img> and the 5 frames
+    assert 'type="range"' in page and 'max="4"' in page and 'value="2"' in page
+    assert [c for c in calls[:5]] == [(i, 1.0) for i in range(1, 6)]
+    assert re.findall(r"iteration = (\d)", page)[:1] == ["3"] and "iteration = 5" in page
+    assert "text/plain" not in live._repr_mimebundle_()
+    slider = live.widget.children[0]
+    calls.clear()
+    slider.value = 5
+    assert calls and calls[-1] == (5, 1.0)
+    live.widget.children[1].value = 0.5
+    assert calls[-1] == (5, 0.5)
+    matplotlib.pyplot.close("all")
+
+
+def test_interactive_figure_rejects_a_knob_that_changes_nothing_and_bad_controls(monkeypatch):
+    import IPython.display
+    import pytest
+
+    from capslib import widgets
+
+    monkeypatch.setattr(IPython.display, "display", lambda obj: None)
+    draw, _ = _draw_calls()
+    with pytest.raises(AssertionError, match="does not change between values 0.5 and 1.0"):
+        widgets.interactive_figure(lambda scale=1.0, iteration=0: draw(0, scale), scale=(0.5, 1.5, 0.5))
+    with pytest.raises(ValueError, match="frames must name one of the controls"):
+        widgets.interactive_figure(draw, frames="nope", iteration=(1, 5, 1))
+    with pytest.raises(ValueError, match="step > 0"):
+        widgets.interactive_figure(draw, iteration=(1, 5, 0))
+    with pytest.raises(ValueError, match="at most 60 frames"):
+        widgets.interactive_figure(draw, iteration=(1, 100, 1))
+    with pytest.raises(TypeError, match="must be a widget, a list of options"):
+        widgets.interactive_figure(draw, iteration="three")
+    matplotlib.pyplot.close("all")
+
+
+def test_interactive_figure_dropdown_starts_at_its_value(monkeypatch):
+    import IPython.display
+    import pytest
+
+    from capslib import widgets
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    draw, calls = _draw_calls()
+    live = widgets.interactive_figure(draw, iteration=([2, 5, 11, 16], 11))
+    assert live.widget.children[0].value == 11 and calls[:4] == [(2, 1.0), (5, 1.0), (11, 1.0), (16, 1.0)]
+    assert 'value="2"' in shown[0].data and "iteration = 11</output>" in shown[0].data
+    with pytest.raises(ValueError, match="start value 3 is not among the options"):
+        widgets.interactive_figure(draw, iteration=([2, 5], 3))
+    matplotlib.pyplot.close("all")

@@ -491,6 +491,86 @@ def build(master: str | Path, out: str | Path) -> Path:
     return target
 
 
+# ----------------------------------------------------------------------------- the student edition
+
+def student_config(source: str | Path = "_config.yml", dest: str | Path = "_build/student/_config.yml") -> Path:
+    """The book's Jupyter Book config with sphinx-exercise's ``hide_solutions`` switched on."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(source).read_text())
+    cfg.setdefault("sphinx", {}).setdefault("config", {})["hide_solutions"] = True
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return dest
+
+
+_MARKUP = "$`*\\{}[]()|<>_#"
+
+
+def solution_fragments(sources: Iterable[str | Path]) -> dict[str, str]:
+    """For each ``{solution}`` block in the book's sources, a stretch of its plain words.
+
+    Keyed by ``file:label``. The stretch is the longest run of the body free of markup (math,
+    code, emphasis), so that it reads the same in the source and in the rendered HTML.
+    """
+    import re
+
+    out: dict[str, str] = {}
+    for path in map(Path, sources):
+        if path.suffix == ".ipynb":
+            import nbformat
+            texts = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+        else:
+            texts = [path.read_text()]
+        for text in texts:
+            for m in re.finditer(r"^(:::+|```+)\{solution\}\s*(\S*)\s*\n(.*?)^\1\s*$", text, re.S | re.M):
+                body = "\n".join(l for l in m.group(3).splitlines() if not l.lstrip().startswith(":"))
+                runs = re.split("[" + re.escape(_MARKUP) + "]", body)
+                best = max((_words(r) for r in runs), key=len, default="")
+                if len(best.split()) < 3:
+                    raise ValueError(f"{path}: the solution {m.group(2)!r} has no plain-text stretch of 3 words "
+                                     "to look for in the HTML")
+                out[f"{path.name}:{m.group(2)}"] = best
+    return out
+
+
+def _html_text(folder: Path) -> str:
+    import html
+    import re
+
+    pages = sorted(folder.rglob("*.html"))
+    if not pages:
+        raise FileNotFoundError(f"no HTML pages under {folder}: build the book first")
+    text = " ".join(re.sub(r"<[^>]+>", " ", p.read_text(errors="replace")) for p in pages)
+    return _words(html.unescape(text))
+
+
+def _words(text: str) -> str:
+    """Letters and digits only: typography (smart quotes, dashes) differs between source and HTML."""
+    import re
+
+    return " " + " ".join(re.findall(r"[A-Za-z0-9]+", text)) + " "
+
+
+def check_student_edition(normal: str | Path, student: str | Path, sources: Iterable[str | Path]) -> int:
+    """Fail unless every solution's text is in the normal build and none is in the student build."""
+    fragments = solution_fragments(sources)
+    if not fragments:
+        raise ValueError("no {solution} blocks found in the sources")
+    normal_text, student_text = _html_text(Path(normal)), _html_text(Path(student))
+    # a stretch may also occur outside its solution: what counts is that the student edition
+    # holds fewer copies than the book, i.e. the solution's own copy is gone
+    missing = [k for k, f in fragments.items() if f not in normal_text]
+    leaked = [k for k, f in fragments.items() if student_text.count(f) >= normal_text.count(f)]
+    if missing:
+        raise AssertionError(f"solution text not found in the normal build {normal} (the check would be "
+                             f"vacuous): {missing}")
+    if leaked:
+        raise AssertionError(f"solution text found in the student edition {student}: {leaked}")
+    return len(fragments)
+
+
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -500,7 +580,21 @@ def _main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="otter assign each master into OUT/<master name>/")
     b.add_argument("masters", nargs="+")
     b.add_argument("--out", required=True)
+    c = sub.add_parser("student-config", help="write the student edition's Jupyter Book config")
+    c.add_argument("--source", default="_config.yml")
+    c.add_argument("--dest", default="_build/student/_config.yml")
+    k = sub.add_parser("check-student", help="no solution text in the student edition, all of it in the book")
+    k.add_argument("--normal", required=True)
+    k.add_argument("--student", required=True)
+    k.add_argument("sources", nargs="+")
     args = parser.parse_args(argv)
+    if args.command == "student-config":
+        print(student_config(args.source, args.dest))
+        return 0
+    if args.command == "check-student":
+        n = check_student_edition(args.normal, args.student, args.sources)
+        print(f"student edition: none of the {n} solutions appears in {args.student}; all appear in {args.normal}")
+        return 0
     for m in args.masters:
         dest = Path(args.out) / Path(m).stem
         zip_path = build(m, dest)

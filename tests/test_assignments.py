@@ -317,3 +317,37 @@ def test_otter_grades_the_zip(tmp_path):
             for q in _questions_using(tests_dir, fn):
                 assert r[q]["score"] == 0, (route, fn, q, r[q])
                 assert all("DelegationError" in m for m in r[q]["messages"]), (route, fn, q, r[q]["messages"])
+
+
+# ----------------------------------------------------------------------------- the student edition check
+
+def test_student_edition_check_catches_a_leak_and_a_vacuous_build(tmp_path):
+    src = tmp_path / "page.md"
+    src.write_text("# Page\n\n:::{exercise}\n:label: ex-a\nWhy?\n:::\n\n:::{solution} ex-a\n:class: dropdown\n"
+                   "Because the couplings sum to one over the parents, $c_{ij}$ is a distribution.\n:::\n")
+    book, student, empty = tmp_path / "book", tmp_path / "student", tmp_path / "empty"
+    for d in (book, student, empty):
+        d.mkdir()
+    (book / "page.html").write_text("<p>Why?</p><p>Because the couplings sum to one over the "
+                                    "<em>parents</em>, \\(c_{ij}\\) is a distribution.</p>")
+    (student / "page.html").write_text("<p>Why?</p>")
+    (empty / "page.html").write_text("<p>Nothing here.</p>")
+    assert grading.check_student_edition(book, student, [src]) == 1
+    with pytest.raises(AssertionError, match="found in the student edition"):
+        grading.check_student_edition(book, book, [src])
+    with pytest.raises(AssertionError, match="vacuous"):
+        grading.check_student_edition(empty, student, [src])
+
+
+def test_assignments_page_lists_every_master_with_its_points():
+    """book/assignments.md's table names each master with its questions' points, in order."""
+    import re
+    page = (ROOT / "book" / "assignments.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(a\d_\w+)` \|[^|]*\|(.*)\|\s*$", page, re.M)}
+    for master in MASTERS:
+        assert master.stem in rows, f"book/assignments.md has no row for {master.stem}"
+        listed = [int(p) for p in re.findall(r"\((\d+)\)\*?(?:;|\s*$)", rows[master.stem].strip())]
+        nb = nbformat.read(master, as_version=4)
+        points = [int(re.search(r"points: (\d+)", c.source).group(1)) for c in nb.cells
+                  if c.cell_type == "raw" and c.source.startswith("# BEGIN QUESTION")]
+        assert listed == points, (master.stem, listed, points)

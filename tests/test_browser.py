@@ -1,0 +1,413 @@
+"""The published book in a browser: every page of ``_build/html`` at 1280 px and 400 px.
+
+Run by ``make test-browser`` (which builds the HTML first with ``make build-strict`` and sets
+``CAPSBOOK_BROWSER=1``); skipped elsewhere, so ``make test``'s unit step never starts a browser.
+Playwright drives Debian's Chromium (``/usr/bin/chromium``, or ``CAPSBOOK_CHROMIUM``) with a fresh
+profile; the book is served on loopback and every request that leaves loopback is refused (and
+counted as a failure: the book must work offline). Screenshots of every page at both widths go to
+``_build/screens/`` with ``report.txt``, the per-page findings.
+
+A page fails on
+- raw TeX: once MathJax has finished typesetting, a text node outside code, MathJax's output and
+  scripts that still holds TeX (``$$``, ``\\frac``, ``\\begin{``, ``\\mathbb`` ... or an inline
+  ``$...$`` with a backslash, ``_`` or ``^`` in it), or a MathJax error box (``mjx-merror``);
+- a console error: an uncaught exception, a console message of type error (a missing file among
+  them), or a request that leaves loopback;
+- an interactive figure (``div.animation``: the frame player of matplotlib's ``to_jshtml`` or of
+  ``capslib.widgets``: an ``<img>`` and an ``<input type=range>``) whose slider, moved to each
+  position in turn, does not change the displayed image's ``src``;
+- a menu that does not open: at 400 px the chapter list is hidden until the primary-sidebar toggle
+  is clicked, and must then be visible inside the viewport; at 1280 px it must be visible, and the
+  toggle must hide it;
+- an illegible image. An image wider than the column is scaled down by ``ratio = natural width /
+  rendered width``. A figure saved at ``dpi`` draws a font of ``s`` pt ``s * dpi / 72`` pixels high,
+  so on the page it is ``s * dpi / 72 / ratio`` CSS px high. The smallest font the book's figures
+  use is ``FIGURE_FONT_PT`` = 8 pt (capslib.viz's panel titles; matplotlib's default text is 10 pt)
+  and it must stay at least ``MIN_FONT_PX`` = 6 CSS px high (the reviewer's 4-5 px tick labels were
+  unreadable), so the largest ratio allowed is ``8 * dpi / 72 / 6``: 1.85 for a PNG at dpi 100,
+  3.7 for a retina PNG at dpi 200. The dpi is read from the PNG's pHYs chunk (matplotlib writes
+  it); a PNG without one counts as dpi 100 (matplotlib's default), an SVG as 96 (CSS pixels, its
+  sizes are in points). The rule is enforced at 1280 px, the width the column is designed for
+  (``LEGIBLE_AT``); at 400 px every offending image is listed in the report but does not fail.
+"""
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import os
+import re
+import shutil
+import struct
+import tempfile
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HTML = Path(os.environ.get("CAPSBOOK_HTML", ROOT / "_build" / "html"))  # make test-browser: the strict build
+SCREENS = ROOT / "_build" / "screens"
+CHROMIUM = os.environ.get("CAPSBOOK_CHROMIUM", "/usr/bin/chromium")
+WIDTHS = (1280, 400)
+HEIGHT = 900
+LEGIBLE_AT = (1280,)
+FIGURE_FONT_PT = 8.0
+MIN_FONT_PX = 6.0
+DEFAULT_DPI = 100.0
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+PAGE_TIMEOUT_MS = 30_000
+MATHJAX_TIMEOUT_MS = 30_000
+
+REQUESTED = os.environ.get("CAPSBOOK_BROWSER") == "1"
+
+
+def _missing() -> str | None:
+    """Why the browser test cannot run here (None: it can)."""
+    if not Path(CHROMIUM).exists():
+        return f"no Chromium at {CHROMIUM} (apt-get install -y chromium, or set CAPSBOOK_CHROMIUM)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the python package playwright is not installed (it is in requirements.lock)"
+    if not (HTML / "book").is_dir():
+        return f"no built book in {HTML} (make build-strict)"
+    return None
+
+
+# -- pure helpers (tested below without a browser) ------------------------------------------------
+
+def png_dpi(data: bytes) -> float | None:
+    """Horizontal resolution of a PNG from its pHYs chunk (pixels per metre -> dpi), None if absent."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("png_dpi: data is not a PNG (bad signature)")
+    i = 8
+    while i + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[i:i + 8])
+        if kind == b"pHYs":
+            x, _y, unit = struct.unpack(">IIB", data[i + 8:i + 17])
+            return x * 0.0254 if unit == 1 else None
+        if kind in (b"IDAT", b"IEND"):
+            return None
+        i += 12 + length
+    return None
+
+
+def max_scale(dpi: float) -> float:
+    """The largest natural/rendered width ratio at which a FIGURE_FONT_PT font stays MIN_FONT_PX high."""
+    if not dpi > 0:
+        raise ValueError(f"max_scale: dpi must be positive, got {dpi!r}")
+    return FIGURE_FONT_PT * dpi / 72.0 / MIN_FONT_PX
+
+
+RAW_TEX = re.compile(
+    r"\$\$|\\(?:[dt]?frac|begin\{|end\{|math(?:bb|bf|rm|cal|sf|it)\b|operatorname|boldsymbol|sum_|prod_|"
+    r"left[(\[|.]|right[)\]|.]|sqrt|hat\{|tilde\{|bar\{|vec\{|partial|nabla|cdot|cdots|ldots|times|"
+    r"alpha|beta|gamma|delta|lambda|sigma|theta|epsilon|varepsilon|mu\b|pi\b|log\b|exp\b|top\b|"
+    r"leq?\b|geq?\b|neq\b|approx|in\b|ell\b|odot|otimes|sim\b|propto|infty|R\b)"
+    r"|(?:^|[^\\$\w])\$[^$\s][^$]{0,120}?[\\_^][^$]{0,120}?\$")
+
+
+def raw_tex(text: str) -> str | None:
+    """The first TeX-looking stretch of ``text`` (with some context), None if there is none."""
+    m = RAW_TEX.search(text)
+    if not m:
+        return None
+    return text[max(0, m.start() - 30):m.end() + 30].replace("\n", " ")
+
+
+def test_helpers_without_a_browser():
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1, 1))
+    for dpi in (72, 100, 200):
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+        assert abs(png_dpi(buf.getvalue()) - dpi) < 0.01
+    plt.close(fig)
+    with pytest.raises(ValueError, match="not a PNG"):
+        png_dpi(b"GIF89a")
+    assert max_scale(200) == pytest.approx(2 * max_scale(100))
+    assert 1.8 < max_scale(100) < 1.9
+    with pytest.raises(ValueError, match="dpi must be positive"):
+        max_scale(0)
+    assert raw_tex(r"the norm \frac{a}{b} of") and raw_tex("so $$x$$") and raw_tex(r"where $x_i$ is")
+    assert raw_tex(r"\begin{aligned} a") and raw_tex(r"in \mathbb{R}^n")
+    assert raw_tex("costs $5 and $6 today") is None and raw_tex("plain prose, no math") is None
+
+
+# -- the browser -------------------------------------------------------------------------------
+
+def pages() -> list[str]:
+    """Every HTML page of the built book, relative to _build/html (the root's redirect left out)."""
+    skip = {"_static", "_sources", "_images"}
+    out = []
+    for p in sorted(HTML.rglob("*.html")):
+        rel = p.relative_to(HTML)
+        if rel.parts[0] in skip or rel.as_posix() == "index.html":
+            continue
+        out.append(rel.as_posix())
+    return out
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    missing = _missing()
+    if missing:  # asked for (make test-browser) but impossible: a failure, never a silent skip
+        pytest.fail(f"browser test requested but {missing}")
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(HTML)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser_context():
+    from playwright.sync_api import sync_playwright
+
+    profile = tempfile.mkdtemp(prefix="capsbook-chromium-")
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": WIDTHS[0], "height": HEIGHT}, service_workers="block")
+        try:
+            yield ctx
+        finally:
+            ctx.close()
+            shutil.rmtree(profile, ignore_errors=True)
+
+
+WAIT_MATHJAX = """async (limit) => {
+  if (!document.querySelector('script[src*="mathjax"]')) return 'no MathJax on this page';
+  const t0 = performance.now();
+  const sleep = (ms) => new Promise(r => setTimeout(r, ms));
+  while (!(window.MathJax && window.MathJax.startup && window.MathJax.startup.promise)) {
+    if (performance.now() - t0 > limit) return 'MathJax never started';
+    await sleep(50);
+  }
+  const done = await Promise.race([window.MathJax.startup.promise.then(() => 'ok'),
+                                   sleep(limit).then(() => 'MathJax did not finish typesetting')]);
+  return done;
+}"""
+
+TEXT_NODES = """() => {
+  const root = document.querySelector('main') || document.body;
+  const skip = 'script,style,pre,code,textarea,mjx-container,mjx-assistive-mml,.highlight,.MathJax';
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  const out = [];
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const el = n.parentElement;
+    if (!el || el.closest(skip)) continue;
+    const t = n.textContent;
+    if (t.includes('\\\\') || t.includes('$')) out.push(t);
+  }
+  const errors = Array.from(document.querySelectorAll('mjx-merror')).map(
+    e => e.getAttribute('data-mjx-error') || e.textContent);
+  return {texts: out, errors: errors};
+}"""
+
+IMAGES = """() => {
+  const heads = Array.from(document.querySelectorAll('main h1, main h2, main h3'));
+  return Array.from((document.querySelector('main') || document.body).querySelectorAll('img')).map(img => {
+    const r = img.getBoundingClientRect();
+    const before = heads.filter(h => h.compareDocumentPosition(img) & Node.DOCUMENT_POSITION_FOLLOWING);
+    const section = before.length ? before[before.length - 1].textContent.replace(/[#\\s]+$/, '').trim() : '';
+    return {src: img.currentSrc || img.src, natural: img.naturalWidth, rendered: r.width,
+            complete: img.complete, animation: !!img.closest('div.animation'), section: section.slice(0, 60)};
+  });
+}"""
+
+MOVE_SLIDERS = """() => {
+  const out = [];
+  document.querySelectorAll('div.animation').forEach((div, k) => {
+    const img = div.querySelector('img');
+    const slider = div.querySelector('input[type=range]');
+    if (!img || !slider) { out.push({k: k, problem: 'no <img> or no range slider in div.animation'}); return; }
+    const lo = parseInt(slider.min || '0', 10), hi = parseInt(slider.max || '0', 10);
+    const label = (div.querySelector('label') || div).textContent.trim().slice(0, 60);
+    if (!(hi > lo)) { out.push({k: k, label: label, problem: `slider has one position (min ${lo}, max ${hi})`}); return; }
+    const start = slider.value;
+    const seen = [img.src];
+    const stuck = [];
+    for (let v = lo; v <= hi; v++) {
+      if (String(v) === String(slider.value)) continue;
+      const before = img.src;
+      slider.value = String(v);
+      slider.dispatchEvent(new Event('input', {bubbles: true}));
+      slider.dispatchEvent(new Event('change', {bubbles: true}));
+      if (img.src === before) stuck.push(v);
+      seen.push(img.src);
+    }
+    slider.value = start;
+    slider.dispatchEvent(new Event('input', {bubbles: true}));
+    out.push({k: k, label: label, positions: hi - lo + 1, distinct: new Set(seen).size, stuck: stuck});
+  });
+  return out;
+}"""
+
+NAV_LINKS = """(w) => Array.from(document.querySelectorAll('.bd-sidebar-primary nav a, dialog nav a')).filter(a => {
+  const r = a.getBoundingClientRect(); const s = getComputedStyle(a);
+  return r.width > 0 && r.height > 0 && r.right > 0 && r.left < w && s.visibility !== 'hidden';
+}).length"""
+
+
+def _image_bytes(src: str, base: str) -> bytes | None:
+    if src.startswith("data:"):
+        header, _, payload = src.partition(",")
+        return base64.b64decode(payload) if header.endswith(";base64") else payload.encode()
+    if src.startswith(base):
+        path = HTML / urllib.parse.unquote(urllib.parse.urlparse(src).path).lstrip("/")
+        return path.read_bytes() if path.is_file() else None
+    return None
+
+
+def _legibility(images: list[dict], base: str, page: str) -> list[tuple[str, str, float, float]]:
+    """(page, image, ratio, allowed) for each image scaled below its legible size."""
+    bad = []
+    for im in images:
+        if not im["rendered"] or not im["natural"] or im["natural"] <= im["rendered"] + 0.5:
+            continue
+        data = _image_bytes(im["src"], base)
+        if data is None:
+            dpi = DEFAULT_DPI
+        elif data[:8] == b"\x89PNG\r\n\x1a\n":
+            dpi = png_dpi(data) or DEFAULT_DPI
+        elif b"<svg" in data[:2000]:
+            dpi = 96.0
+        else:
+            dpi = DEFAULT_DPI
+        ratio = im["natural"] / im["rendered"]
+        allowed = max_scale(dpi)
+        if ratio > allowed:
+            name = "frame player image" if im["src"].startswith("data:") else im["src"].rsplit("/", 1)[-1]
+            name = f"{name} (section {im['section']!r})"
+            bad.append((page, name, ratio, allowed))
+    return bad
+
+
+def _menu(pg, width: int) -> str | None:
+    visible_before = pg.evaluate(NAV_LINKS, width)
+    toggles = [t for t in pg.query_selector_all(".primary-toggle") if t.is_visible()]
+    if width >= 992:
+        if not visible_before:
+            return "the chapter list is not visible at full width"
+        if not toggles:
+            return "no visible primary-sidebar toggle"
+        toggles[0].click()
+        pg.wait_for_timeout(400)
+        hidden = pg.evaluate(NAV_LINKS, width) == 0
+        toggles[0].click()
+        pg.wait_for_timeout(400)
+        return None if hidden else "the primary-sidebar toggle does not hide the chapter list"
+    if visible_before:
+        return None  # nothing to open: the list is already on screen
+    if not toggles:
+        return "no visible primary-sidebar toggle"
+    toggles[0].click()
+    pg.wait_for_timeout(600)
+    if pg.evaluate(NAV_LINKS, width) == 0:
+        return "clicking the primary-sidebar toggle does not show the chapter list"
+    pg.keyboard.press("Escape")
+    return None
+
+
+def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]:
+    problems: list[str] = []
+    info = {"figures": 0, "illegible": [], "shot": None}
+    pg = ctx.new_page()
+    pg.set_viewport_size({"width": width, "height": HEIGHT})
+    pg.set_default_timeout(PAGE_TIMEOUT_MS)
+
+    def route(r):
+        if r.request.url.startswith(base) or r.request.url.startswith("data:"):
+            r.continue_()
+        else:
+            problems.append(f"request leaves loopback: {r.request.url[:120]}")
+            r.abort()
+
+    pg.route("**/*", route)
+    pg.on("pageerror", lambda e: problems.append(f"page error: {str(e)[:200]}"))
+    pg.on("console", lambda m: m.type == "error" and problems.append(
+        f"console error: {m.text[:200]} ({(m.location or {}).get('url', '')[-80:]})"))
+    try:
+        pg.goto(f"{base}/{page}", wait_until="load")
+        state = pg.evaluate(WAIT_MATHJAX, MATHJAX_TIMEOUT_MS)
+        if state not in ("ok", "no MathJax on this page"):
+            problems.append(state)
+        pg.wait_for_function("Array.from(document.images).every(i => i.complete)", timeout=PAGE_TIMEOUT_MS)
+        found = pg.evaluate(TEXT_NODES)
+        for text in found["texts"]:
+            snippet = raw_tex(text)
+            if snippet:
+                problems.append(f"raw TeX: ...{snippet}...")
+        for err in found["errors"]:
+            problems.append(f"MathJax error: {err[:160]}")
+        for fig in pg.evaluate(MOVE_SLIDERS):
+            info["figures"] += 1
+            if "problem" in fig:
+                problems.append(f"interactive figure {fig['k'] + 1} {fig.get('label', '')!r}: {fig['problem']}")
+            elif fig["stuck"]:
+                problems.append(f"interactive figure {fig['k'] + 1} {fig['label']!r}: the image does not change "
+                                f"at slider positions {fig['stuck']} of {fig['positions']}")
+        bad = _legibility(pg.evaluate(IMAGES), base, page)
+        info["illegible"] = bad
+        if width in LEGIBLE_AT:
+            for _, name, ratio, allowed in bad:
+                problems.append(f"illegible image {name}: scaled by 1/{ratio:.2f}, at most 1/{allowed:.2f} "
+                                f"keeps {FIGURE_FONT_PT:g} pt text {MIN_FONT_PX:g} px high")
+        shot = SCREENS / f"{page.replace('/', '__').removesuffix('.html')}-{width}.jpg"
+        pg.screenshot(path=str(shot), full_page=True, type="jpeg", quality=70)
+        info["shot"] = shot
+        menu = _menu(pg, width)
+        if menu:
+            problems.append(f"menu: {menu}")
+    except Exception as e:  # a timeout or a crashed page is a finding about this page, not the run
+        problems.append(f"could not check the page: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    finally:
+        pg.close()
+    return problems, info
+
+
+@pytest.mark.skipif(not REQUESTED, reason="run by make test-browser (CAPSBOOK_BROWSER=1): it needs Chromium "
+                    "and the built HTML, and takes minutes")
+def test_every_page_in_chromium(server, browser_context):
+    if SCREENS.exists():
+        shutil.rmtree(SCREENS)
+    SCREENS.mkdir(parents=True)
+    listed = pages()
+    assert listed, f"no HTML pages under {HTML}"
+    t0 = time.monotonic()
+    lines, failing, figures, illegible = [], 0, 0, []
+    for page in listed:
+        for width in WIDTHS:
+            t = time.monotonic()
+            problems, info = _check_page(browser_context, server, page, width)
+            figures += info["figures"] if width == WIDTHS[0] else 0
+            illegible += [(width, *b) for b in info["illegible"]]
+            status = "ok" if not problems else f"{len(problems)} problem(s)"
+            lines.append(f"{page} @ {width}px: {status}; {info['figures']} interactive figure(s) "
+                         f"({time.monotonic() - t:.1f} s)")
+            lines += [f"    {p}" for p in problems]
+            failing += bool(problems)
+    lines.append(f"{len(listed)} pages x {len(WIDTHS)} widths, {failing} failing; {figures} interactive figures; "
+                 f"{time.monotonic() - t0:.0f} s; screenshots in {SCREENS}")
+    lines.append(f"images scaled below {MIN_FONT_PX:g} px for {FIGURE_FONT_PT:g} pt text "
+                 f"(enforced at {', '.join(f'{w} px' for w in LEGIBLE_AT)}; page, file, ratio, allowed):")
+    lines += [f"    {w} px  {p}  {n}  {r:.2f} > {a:.2f}" for w, p, n, r, a in illegible]
+    report = "\n".join(lines) + "\n"
+    (SCREENS / "report.txt").write_text(report)
+    print(report)
+    assert failing == 0, f"{failing} page views fail in the browser (report: {SCREENS / 'report.txt'}):\n{report}"

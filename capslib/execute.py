@@ -65,7 +65,10 @@ def client(nb, path: Path, timeout: int | None = None, allow_errors: bool = Fals
 
 
 def environment(profile: str, **extra: str) -> dict:
-    """The kernel's environment: this process's, at ``profile``, progress bars off."""
+    """The kernel's environment: this process's, at ``profile``, progress bars off, and no
+    ``MPLBACKEND`` (the kernel's own inline backend must draw the figures into the outputs)."""
     if profile not in ("ci", "full"):
         raise ValueError(f"profile must be 'ci' or 'full'; got {profile!r}")
-    return {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_PROGRESS": "0", **extra}
+    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_PROGRESS": "0", **extra}
+    env.pop("MPLBACKEND", None)  # a non-inline backend (agg, set for scripts) would drop every figure
+    return env

@@ -71,6 +71,8 @@ def stage(into: Path) -> Path:
     for path in BOOK.iterdir():
         if path.is_file() and path.suffix in (".md", ".ipynb", ".yml", ".bib"):
             shutil.copy2(path, into / "book" / path.name)
+    if (BOOK / "_static").is_dir():
+        shutil.copytree(BOOK / "_static", into / "book" / "_static")
     return into / "book"
 
 

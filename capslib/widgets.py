@@ -8,9 +8,10 @@
   of JavaScript and no kernel. Every frame is a full redraw, so its titles and labels are those of
   its own value. Without JavaScript the page still shows the frame at the control's start value;
 * **in a running notebook**, the live ipywidgets controls (all of them), which call ``draw``
-  again on every change. Their saved view carries no plain-text fallback and the book's
-  configuration does not render widget views (``nb_mime_priority_overrides`` in ``_config.yml``), so
-  the HTML shows the player only, not a dead copy of the widget.
+  again on every change. They are published as a widget view alone, with no plain-text
+  fallback, and the book's configuration does not render widget views
+  (``nb_mime_priority_overrides`` in ``_config.yml``), so the HTML shows the player only, not a
+  dead copy of the widget.
 
 The player checks itself when it is made: the frames must differ from one another (a control that
 does not change the drawing raises), so executing a chapter under nbval tests every widget's knob.
@@ -26,6 +27,7 @@ from typing import Callable
 
 import matplotlib.pyplot as plt
 
+last_live = None         # the live controls of the latest interactive figure (for tests and scripts)
 FRAME_DPI = 100          # the book's figures are saved at this resolution too
 MAX_FRAMES = 60
 _ids = itertools.count()
@@ -132,16 +134,14 @@ def player_html(pngs: list[bytes], labels: list[str], start: int, title: str) ->
         f"<script>{script}</script></div>")
 
 
-class _LiveOnly:
-    """The live widget without its plain-text fallback (the HTML book shows the player instead)."""
+def _publish_live(widget) -> None:
+    """Show the live widget through its widget view alone: no plain-text fallback, so that the HTML
+    book (which does not draw widget views, see ``_config.yml``) shows nothing for it."""
+    from IPython.display import publish_display_data
 
-    def __init__(self, widget):
-        self.widget = widget
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        bundle = self.widget._repr_mimebundle_(include=include, exclude=exclude)
-        data = bundle[0] if isinstance(bundle, tuple) else bundle
-        return {k: v for k, v in (data or {}).items() if k != "text/plain"}
+    bundle = widget._repr_mimebundle_()
+    data = bundle[0] if isinstance(bundle, tuple) else bundle
+    publish_display_data({k: v for k, v in (data or {}).items() if k != "text/plain"})
 
 
 def interactive_figure(draw: Callable, frames: str | None = None, **controls):
@@ -151,8 +151,9 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
     Each control is an ipywidgets widget, or a ``(min, max, step[, value])`` tuple
     (int slider if all ints, float slider otherwise), or a list of options (a dropdown starting at
     the first), or ``(options, value)`` (a dropdown starting at ``value``).
-    Returns the live controls (the ``ipywidgets.interactive`` object is ``.widget``).
+    Returns None (the cell shows both; :data:`last_live` keeps the live ``ipywidgets.interactive``).
     """
+    global last_live
     import ipywidgets as w
     from IPython.display import HTML, display
 
@@ -173,7 +174,9 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
         draw(**values)
         plt.show()
 
-    return _LiveOnly(w.interactive(show, **made))
+    last_live = w.interactive(show, **made)
+    _publish_live(last_live)
+    return None
 
 
 _frames_of = frames  # the module-level function, under a name the ``frames`` argument does not hide

@@ -54,6 +54,16 @@ def test_outputs_show_no_paths_labels_or_resumed_runs(path):
     assert not stale, f"{path.stem} no longer shows {stale}: remove it from KNOWN"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_figure_shown_is_in_the_outputs(path):
+    """A cell that calls plt.show() carries its image: an execution with a non-inline matplotlib
+    backend (MPLBACKEND=agg in a GPU job's environment once) drops every figure silently."""
+    nb = json.loads(path.read_text())
+    missing = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and "plt.show()" in "".join(c["source"])
+               and not any("image/png" in o.get("data", {}) for o in c.get("outputs", []))]
+    assert not missing, f"cells {missing} call plt.show() but show no figure"
+
+
 def test_the_leak_patterns_catch_what_they_name():
     catch = {
         "a machine path": ["PosixPath('/x/y.json')", "saved to /work/main/book/results/ci/01.json",

@@ -124,8 +124,18 @@ def test_book_execution_stages_copies_outside_the_sources(tmp_path):
     assert (book.parent / "_config.yml").exists() and (book.parent / "_toc.yml").exists()
     names = {p.name for p in book.iterdir()}
     assert {p.name for p in reproduce.every_notebook()} <= names and "intro.md" in names
-    assert "results" not in names
+    assert "results" not in names and (book / "_static" / "capsbook.css").exists()
     assert reproduce.every_notebook()[-1].name == "scoreboard.ipynb"
     for bad in (reproduce.ROOT, reproduce.BOOK / "sub", reproduce.ROOT.parent):
         with pytest.raises(ValueError, match="--into must be a folder outside"):
             reproduce.stage(bad)
+
+
+def test_kernel_environment_keeps_the_inline_backend(monkeypatch):
+    from capslib import execute
+
+    monkeypatch.setenv("MPLBACKEND", "agg")
+    env = execute.environment("full", CAPSBOOK_SMOKE="1")
+    assert "MPLBACKEND" not in env and env["CAPSBOOK_PROFILE"] == "full" and env["CAPSBOOK_SMOKE"] == "1"
+    with pytest.raises(ValueError, match="profile must be 'ci' or 'full'"):
+        execute.environment("gpu")

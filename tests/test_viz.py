@@ -45,22 +45,24 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
 
     from capslib import widgets
 
-    shown = []
+    shown, published = [], []
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: published.append(data))
     draw, calls = _draw_calls()
-    live = widgets.interactive_figure(draw, iteration=(1, 5, 1, 3), scale=(0.5, 1.5, 0.5, 1.0))
+    assert widgets.interactive_figure(draw, iteration=(1, 5, 1, 3), scale=(0.5, 1.5, 0.5, 1.0)) is None
+    live = widgets.last_live
     assert len(shown) == 1
     page = shown[0].data
     assert page.count("data:image/png;base64,") == 1 + 5  # the start frame's <img> and the 5 frames
     assert 'type="range"' in page and 'max="4"' in page and 'value="2"' in page
     assert [c for c in calls[:5]] == [(i, 1.0) for i in range(1, 6)]
     assert re.findall(r"iteration = (\d)", page)[:1] == ["3"] and "iteration = 5" in page
-    assert "text/plain" not in live._repr_mimebundle_()
-    slider = live.widget.children[0]
+    assert len(published) == 1 and list(published[0]) == ["application/vnd.jupyter.widget-view+json"]
+    slider = live.children[0]
     calls.clear()
     slider.value = 5
     assert calls and calls[-1] == (5, 1.0)
-    live.widget.children[1].value = 0.5
+    live.children[1].value = 0.5
     assert calls[-1] == (5, 0.5)
     matplotlib.pyplot.close("all")
 
@@ -72,6 +74,7 @@ def test_interactive_figure_rejects_a_knob_that_changes_nothing_and_bad_controls
     from capslib import widgets
 
     monkeypatch.setattr(IPython.display, "display", lambda obj: None)
+    monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: None)
     draw, _ = _draw_calls()
     with pytest.raises(AssertionError, match="does not change between values 0.5 and 1.0"):
         widgets.interactive_figure(lambda scale=1.0, iteration=0: draw(0, scale), scale=(0.5, 1.5, 0.5))
@@ -94,9 +97,10 @@ def test_interactive_figure_dropdown_starts_at_its_value(monkeypatch):
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: None)
     draw, calls = _draw_calls()
-    live = widgets.interactive_figure(draw, iteration=([2, 5, 11, 16], 11))
-    assert live.widget.children[0].value == 11 and calls[:4] == [(2, 1.0), (5, 1.0), (11, 1.0), (16, 1.0)]
+    widgets.interactive_figure(draw, iteration=([2, 5, 11, 16], 11))
+    assert widgets.last_live.children[0].value == 11 and calls[:4] == [(2, 1.0), (5, 1.0), (11, 1.0), (16, 1.0)]
     assert 'value="2"' in shown[0].data and "iteration = 11</output>" in shown[0].data
     with pytest.raises(ValueError, match="start value 3 is not among the options"):
         widgets.interactive_figure(draw, iteration=([2, 5], 3))

@@ -85,7 +85,7 @@ build-strict: $(STAMP)
 # legibility (tests/test_browser.py); screenshots and the per-page report in _build/screens/
 test-browser: build-strict
 	@chromium=$$(command -v chromium) || { echo "test-browser: needs Debian's chromium (apt-get install -y chromium)"; exit 1; }; \
-	  start=$$(date +%s); CAPSBOOK_BROWSER=1 CAPSBOOK_CHROMIUM=$$chromium timeout 300 $(PY) -m pytest -q -p no:cacheprovider \
+	  start=$$(date +%s); CAPSBOOK_BROWSER=1 CAPSBOOK_CHROMIUM=$$chromium timeout 420 $(PY) -m pytest -q -p no:cacheprovider \
 	    tests/test_browser.py -k chromium; rc=$$?; \
 	  echo "browser test: $$(( $$(date +%s) - start )) s (report: _build/screens/report.txt)"; exit $$rc
 

@@ -71,8 +71,9 @@ def stage(into: Path) -> Path:
     for path in BOOK.iterdir():
         if path.is_file() and path.suffix in (".md", ".ipynb", ".yml", ".bib"):
             shutil.copy2(path, into / "book" / path.name)
-    if (BOOK / "_static").is_dir():
-        shutil.copytree(BOOK / "_static", into / "book" / "_static")
+    for folder in ("_static", "_theme"):  # the book's CSS, page template and favicon
+        if (BOOK / folder).is_dir():
+            shutil.copytree(BOOK / folder, into / "book" / folder)
     return into / "book"
 
 

@@ -125,6 +125,7 @@ def test_book_execution_stages_copies_outside_the_sources(tmp_path):
     names = {p.name for p in book.iterdir()}
     assert {p.name for p in reproduce.every_notebook()} <= names and "intro.md" in names
     assert "results" not in names and (book / "_static" / "capsbook.css").exists()
+    assert (book / "_theme" / "templates" / "layout.html").exists()
     assert reproduce.every_notebook()[-1].name == "scoreboard.ipynb"
     for bad in (reproduce.ROOT, reproduce.BOOK / "sub", reproduce.ROOT.parent):
         with pytest.raises(ValueError, match="--into must be a folder outside"):

@@ -181,3 +181,18 @@ def test_glue_turns_numpy_and_torch_scalars_into_python(monkeypatch):
         results.glue("bad name", 1.0)
     stats.glue_summary("k", stats.summarise([1.0, 2.0, 3.0]))
     assert captured["k_mean"] == 2.0 and captured["k_n"] == 3 and type(captured["k_half"]) is float
+
+
+def test_bibliography_labels_are_author_year():
+    from pybtex.database import parse_file
+    from pybtex.plugin import find_plugin
+
+    from capslib import sphinx_bib
+
+    sphinx_bib.register()
+    bib = parse_file(str(paper.BIB))
+    labels = dict(zip(bib.entries, find_plugin("pybtex.style.labels", "capsbook")().format_labels(bib.entries.values())))
+    assert all(any(ch.isdigit() for ch in label) and not label.isupper() for label in labels.values()), labels
+    assert len(set(labels.values())) == len(labels)
+    sabour = [label for key, label in labels.items() if key.startswith("sabour")]
+    assert sabour and all(label.startswith("Sabour et al. 2017") for label in sabour), sabour

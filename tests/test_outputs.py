@@ -16,13 +16,9 @@ LEAKS = {
     "an internal label (readers know equation numbers, not labels)": re.compile(r"\bch\d+-[a-z]"),
     "a training resumed from an earlier execution": re.compile(r"already trained|^resuming |\nresuming "),
 }
-# Outputs made before the rule, to be replaced by a clean execution (`make publish`) on a GPU:
-# chapters 2 and 4 carry full-profile outputs whose second GPU execution loaded the checkpoints of
-# the first (2026-11-22). Strict: once re-executed, the entries must go.
-KNOWN = {
-    ("02_dynamic_routing", "a training resumed from an earlier execution"),
-    ("04_coupling_gradient_proof", "a training resumed from an earlier execution"),
-}
+# Outputs known to break a rule, each with its reason; strict: an entry whose notebook no longer
+# shows it must go. Empty since chapters 2 and 4 were re-executed from scratch (2026-11-22).
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _output_texts(nb: dict):

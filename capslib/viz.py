@@ -58,27 +58,45 @@ def image_grid(images, nrow: int | None = None, titles=None, title: str | None =
 
 
 def coupling_heatmaps(cs, title: str = "couplings c_ij", xlabel: str = "parent capsule j",
-                      ylabel: str = "input capsule i", max_rows: int = 40):
-    """One heatmap per routing iteration of couplings ``(I, J)`` (the list from ``routing_trace``)."""
-    import seaborn as sns
+                      ylabel: str = "input capsule i", max_rows: int = 40, per_row: int = 3):
+    """One heatmap per routing iteration of couplings ``(I, J)`` (the list from ``routing_trace``),
+    at most ``per_row`` to a row (legible at the book's column width), one colour bar for all."""
+    import math
 
+    import seaborn as sns
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    if not isinstance(per_row, int) or per_row < 1:
+        raise ValueError(f"per_row must be a positive integer; got {per_row!r}")
     cs = [_np(c)[:max_rows] for c in cs]
-    fig, axes = plt.subplots(1, len(cs), figsize=(3.0 * len(cs) + 1, 4), squeeze=False)
-    for t, (ax, c) in enumerate(zip(axes[0], cs)):
-        sns.heatmap(c, ax=ax, vmin=0, vmax=1, cmap="viridis", cbar=t == len(cs) - 1)
+    cols = min(per_row, len(cs))
+    rows = math.ceil(len(cs) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 3.6 * rows + 0.3), squeeze=False,
+                             layout="constrained")
+    for t, ax in enumerate(axes.flat):
+        if t >= len(cs):
+            ax.set_visible(False)
+            continue
+        sns.heatmap(cs[t], ax=ax, vmin=0, vmax=1, cmap="viridis", cbar=False)
         ax.set_title(f"iteration {t + 1}")
         ax.set_xlabel(xlabel)
-        if t == 0:
-            ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel if t % cols == 0 else "")
+    fig.colorbar(ScalarMappable(Normalize(0, 1), "viridis"), ax=axes, label="coupling", shrink=0.85)
     fig.suptitle(title)
-    fig.tight_layout()
     return fig
 
 
 def history_plot(histories: dict, keys=("loss", "val_acc"), title: str | None = None):
     """Curves per epoch for several runs: ``{run name: history}`` -> one panel per key."""
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    import math
+
+    cols = min(2, len(keys))                     # two panels to a row: legible at the column width
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
         for name, h in histories.items():
             if key in h and len(h[key]):
                 ax.plot(np.arange(1, len(h[key]) + 1), h[key], marker="o", ms=3, label=name)

@@ -105,3 +105,18 @@ def test_interactive_figure_dropdown_starts_at_its_value(monkeypatch):
     with pytest.raises(ValueError, match="start value 3 is not among the options"):
         widgets.interactive_figure(draw, iteration=([2, 5], 3))
     matplotlib.pyplot.close("all")
+
+
+def test_multi_panel_figures_wrap_to_stay_legible_at_the_column_width():
+    """Five iterations of couplings and three training curves: at most three (two) panels to a row,
+    so that a figure saved at dpi 100 is at most ~900 px wide (the column is 688 px)."""
+    import pytest
+
+    fig = viz.coupling_heatmaps([torch.rand(12, 4) for _ in range(5)])
+    assert fig.get_size_inches()[0] * 100 <= 900 and sum(ax.get_visible() for ax in fig.axes) == 5 + 1  # + colour bar
+    fig = viz.history_plot({"a": {"loss": [1.0, 0.5], "train_acc": [0.5, 0.6], "val_acc": [0.4, 0.5]}},
+                           keys=("loss", "train_acc", "val_acc"))
+    assert fig.get_size_inches()[0] * 100 <= 900 and sum(ax.get_visible() for ax in fig.axes) == 3
+    with pytest.raises(ValueError, match="per_row must be a positive integer"):
+        viz.coupling_heatmaps([torch.rand(3, 2)], per_row=0)
+    matplotlib.pyplot.close("all")

@@ -1,6 +1,7 @@
 # Capsule Networks, Derived and Reproduced
 #   make book       execute every chapter at this machine's profile, build _build/html
 #   make test       unit tests, every notebook under nbval at the ci profile, strict book build
+#   make test-browser  every page of the built book in headless Chromium at 1280 and 400 px (.ci/run)
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
 #   make publish    re-execute the committed notebooks in place from scratch (no resumed checkpoints)
 #                   (CHAPTERS="02 04": only those chapters, no build)

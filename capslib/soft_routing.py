@@ -361,37 +361,12 @@ def route_class_mutual_information(r: torch.Tensor, labels: torch.Tensor, num_cl
 def route_heatmaps(matrices, titles, xlabel: str = "route j", ylabel: str = "class",
                    suptitle: str | None = None, cbar_label: str = "mean weight", vmax: float | None = 1.0,
                    per_row: int = 3):
-    """Heatmaps of ``(C, M)`` class-by-route matrices (chapter 3), at most ``per_row`` to a row so
-    that the figure keeps legible fonts at the book's column width, on one colour scale with one
-    colour bar: the learned routing weights and the agreement couplings are drawn by this function."""
-    import math
-
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
+    """Heatmaps of ``(C, M)`` class-by-route matrices (chapter 3), at most ``per_row`` to a row, on
+    one colour scale: the learned routing weights and the agreement couplings are drawn by this."""
+    from .viz import heatmap_grid
 
     mats = [m.detach().float().cpu().numpy() if isinstance(m, torch.Tensor) else m for m in matrices]
-    if len(mats) != len(titles):
-        raise ValueError(f"titles must have one entry per matrix ({len(mats)}); got {len(titles)}")
-    if not isinstance(per_row, int) or per_row < 1:
-        raise ValueError(f"per_row must be a positive integer; got {per_row!r}")
-    top = vmax if vmax is not None else max(float(m.max()) for m in mats)
-    cols = min(per_row, len(mats))
-    rows = math.ceil(len(mats) / cols)
-    panel = 0.9 + 0.35 * mats[0].shape[1]
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * panel + 1.2, 2.9 * rows + (0.4 if suptitle else 0)),
-                             squeeze=False, layout="constrained")
-    for k, ax in enumerate(axes.flat):
-        if k >= len(mats):
-            ax.set_visible(False)
-            continue
-        sns.heatmap(mats[k], ax=ax, vmin=0, vmax=top, cmap="viridis", cbar=False,
-                    xticklabels=[str(j + 1) for j in range(mats[k].shape[1])])
-        ax.set_title(titles[k], fontsize=10)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel if k % cols == 0 else "")
-    fig.colorbar(ScalarMappable(Normalize(0, top), "viridis"), ax=axes, label=cbar_label, shrink=0.85)
-    if suptitle:
-        fig.suptitle(suptitle)
-    return fig
+    width = mats[0].shape[1] if mats else 0
+    return heatmap_grid(mats, titles, xlabel, ylabel, cbar_label, vmax=vmax, per_row=per_row, suptitle=suptitle,
+                        panel_width=0.9 + 0.35 * width, panel_height=2.9,
+                        xticklabels=[str(j + 1) for j in range(width)])

@@ -57,34 +57,46 @@ def image_grid(images, nrow: int | None = None, titles=None, title: str | None =
     return fig
 
 
-def coupling_heatmaps(cs, title: str = "couplings c_ij", xlabel: str = "parent capsule j",
-                      ylabel: str = "input capsule i", max_rows: int = 40, per_row: int = 3):
-    """One heatmap per routing iteration of couplings ``(I, J)`` (the list from ``routing_trace``),
-    at most ``per_row`` to a row (legible at the book's column width), one colour bar for all."""
+def heatmap_grid(mats, titles, xlabel: str, ylabel: str, cbar_label: str, vmax: float | None = 1.0,
+                 per_row: int = 3, suptitle: str | None = None, panel_width: float = 2.4,
+                 panel_height: float = 3.6, xticklabels="auto"):
+    """Heatmaps of 2-D arrays, at most ``per_row`` to a row (legible at the book's column width),
+    on one colour scale from 0 to ``vmax`` (the largest value if None) with one colour bar."""
     import math
 
     import seaborn as sns
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
+    mats = [_np(m) for m in mats]
+    if len(mats) != len(titles):
+        raise ValueError(f"titles must have one entry per matrix ({len(mats)}); got {len(titles)}")
     if not isinstance(per_row, int) or per_row < 1:
         raise ValueError(f"per_row must be a positive integer; got {per_row!r}")
-    cs = [_np(c)[:max_rows] for c in cs]
-    cols = min(per_row, len(cs))
-    rows = math.ceil(len(cs) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 3.6 * rows + 0.3), squeeze=False,
-                             layout="constrained")
-    for t, ax in enumerate(axes.flat):
-        if t >= len(cs):
+    top = vmax if vmax is not None else max(float(m.max()) for m in mats)
+    cols = min(per_row, len(mats))
+    rows = math.ceil(len(mats) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(panel_width * cols + 1.2, panel_height * rows + (0.4 if suptitle else 0)),
+                             squeeze=False, layout="constrained")
+    for k, ax in enumerate(axes.flat):
+        if k >= len(mats):
             ax.set_visible(False)
             continue
-        sns.heatmap(cs[t], ax=ax, vmin=0, vmax=1, cmap="viridis", cbar=False)
-        ax.set_title(f"iteration {t + 1}")
+        sns.heatmap(mats[k], ax=ax, vmin=0, vmax=top, cmap="viridis", cbar=False, xticklabels=xticklabels)
+        ax.set_title(titles[k], fontsize=10)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel if t % cols == 0 else "")
-    fig.colorbar(ScalarMappable(Normalize(0, 1), "viridis"), ax=axes, label="coupling", shrink=0.85)
-    fig.suptitle(title)
+        ax.set_ylabel(ylabel if k % cols == 0 else "")
+    fig.colorbar(ScalarMappable(Normalize(0, top), "viridis"), ax=axes, label=cbar_label, shrink=0.85)
+    if suptitle:
+        fig.suptitle(suptitle)
     return fig
+
+
+def coupling_heatmaps(cs, title: str = "couplings c_ij", xlabel: str = "parent capsule j",
+                      ylabel: str = "input capsule i", max_rows: int = 40, per_row: int = 3):
+    """One heatmap per routing iteration of couplings ``(I, J)`` (the list from ``routing_trace``)."""
+    return heatmap_grid([_np(c)[:max_rows] for c in cs], [f"iteration {t + 1}" for t in range(len(cs))],
+                        xlabel, ylabel, "coupling", vmax=1.0, per_row=per_row, suptitle=title)
 
 
 def history_plot(histories: dict, keys=("loss", "val_acc"), title: str | None = None):

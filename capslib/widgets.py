@@ -84,7 +84,7 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def frames(draw: Callable, knob: str, values: list, fixed: dict) -> list[bytes]:
+def render_frames(draw: Callable, knob: str, values: list, fixed: dict) -> list[bytes]:
     """PNG bytes of ``draw(**fixed, knob=value)`` for each value; raises if two frames are equal
     (the knob would not change what the reader sees)."""
     if not values:
@@ -166,7 +166,7 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
     fixed = {name: c.value for name, c in made.items() if name != knob}
     values = control_values(made[knob])
     start = values.index(made[knob].value) if made[knob].value in values else 0
-    pngs = _frames_of(draw, knob, values, fixed)
+    pngs = render_frames(draw, knob, values, fixed)
     title = f"{knob}" + (" (" + ", ".join(f"{k} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
     display(HTML(player_html(pngs, [f"{knob} = {v}" for v in values], start, title)))
 
@@ -178,5 +178,3 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
     _publish_live(last_live)
     return None
 
-
-_frames_of = frames  # the module-level function, under a name the ``frames`` argument does not hide

@@ -30,14 +30,24 @@ CHAPTERS ?=
 
 .PHONY: bench bundle test-bundle book publish test test-browser unit notebooks build-strict reproduce smoke data assignments book-student student-check clean venv lock spread
 
-# pip's output goes to _build/install.log (its last lines are printed if it fails)
+# The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
+# bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
+# machine kind's local CPU torch) are passed to it. If uv cannot be had or fails, pip installs the same
+# lock. The output of both goes to _build/install.log (its last lines are printed if it fails).
+UV_VERSION := 0.13.9
+FIND_LINKS := $(wildcard $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)))
+UV_INSTALL = $(VENV)/bin/uv pip install --python $(PY) $(addprefix --find-links ,$(FIND_LINKS))
 $(STAMP): $(LOCK) pyproject.toml
 	@mkdir -p _build; echo "installing $(LOCK) into $(VENV) (log: _build/install.log)"; start=$$(date +%s); \
-	{ test -x $(PY) || $(PYTHON) -m venv $(VENV); } > _build/install.log 2>&1 && \
-	$(PY) -m pip install -r $(LOCK) >> _build/install.log 2>&1 && \
-	$(PY) -m pip install --no-deps -e . >> _build/install.log 2>&1 && \
+	{ test -x $(PY) || $(PYTHON) -m venv $(VENV); } > _build/install.log 2>&1 || { cat _build/install.log; exit 1; }; \
+	if $(PY) -m pip install uv==$(UV_VERSION) >> _build/install.log 2>&1 && \
+	   $(UV_INSTALL) -r $(LOCK) >> _build/install.log 2>&1 && \
+	   $(UV_INSTALL) --no-deps -e . >> _build/install.log 2>&1; then tool=uv; \
+	else echo "uv failed (see _build/install.log); installing with pip"; tool=pip; \
+	  $(PY) -m pip install -r $(LOCK) >> _build/install.log 2>&1 && \
+	  $(PY) -m pip install --no-deps -e . >> _build/install.log 2>&1 || { tail -n 30 _build/install.log; exit 1; }; fi; \
 	$(PY) -m pip check >> _build/install.log 2>&1 || { tail -n 30 _build/install.log; exit 1; }; \
-	echo "installed in $$(( $$(date +%s) - start )) s"
+	echo "installed with $$tool in $$(( $$(date +%s) - start )) s"
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -556,3 +556,154 @@ class PoECapsules(nn.Module):
         y = g.new_zeros(g.shape[0], J, Do)
         y[:, capsule] = squash(g)
         return self.decode(y)
+
+
+# ----------------------------------------------------------------------------- exact toys and controls
+
+def _routing_differentiable(u_hat: torch.Tensor, iterations: int, normalize: str) -> torch.Tensor:
+    """:func:`cosine_routing` with the graph kept, so that ``c`` can be differentiated w.r.t. ``W`` and ``x``."""
+    dim = 2 if normalize == "outputs" else 1
+    inv_len = 1.0 / u_hat.norm(dim=-1).clamp_min(_EPS)
+    b = u_hat.new_zeros(u_hat.shape[:3])
+    for t in range(iterations):
+        c = torch.softmax(b, dim=dim)
+        if t < iterations - 1:
+            z = torch.einsum("bij,bijd->bjd", c, u_hat)
+            z_unit = z / z.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+            b = b + torch.einsum("bijd,bjd->bij", u_hat, z_unit) * inv_len
+    return c
+
+
+def _check_states(W: torch.Tensor, states: torch.Tensor, data: torch.Tensor) -> None:
+    _check_x(W, states, "states")
+    check_tensor("data", data, dims=1, floating=True, shape_doc="(S,)")
+    if len(data) != len(states):
+        raise ValueError(f"data must hold one weight per state ({len(states)}); got {len(data)}")
+    if (data < 0).any() or abs(float(data.sum()) - 1.0) > 1e-6:
+        raise ValueError("data must be a probability vector over the states (non-negative, summing to 1)")
+
+
+def exact_log_likelihood_gradient(W: torch.Tensor, states: torch.Tensor, data: torch.Tensor, iterations: int = 3,
+                                  normalize: str = "outputs", through_couplings: bool = False) -> torch.Tensor:
+    """Exact ``d/dW sum_s data_s log P(states_s)`` on a finite state space (chapter 7's enumerable toy).
+
+    The model is Hauser's Eq. 10 restricted to the ``S`` listed configurations of the input capsules:
+    ``P(x) = exp(-F(x)) / Z`` with ``Z = sum_s exp(-F(states_s))`` summed exactly, and the couplings of
+    each configuration found by cosine routing on it, ``c = c(x, W)``.
+
+    Args:
+        W: ``(I, J, Do, Di)``; states: every configuration ``(S, I, Di)``; data: the data distribution
+            over the states ``(S,)`` (non-negative, sums to 1).
+        through_couplings: ``False`` holds each ``c`` constant (the gradient Eq. 18 describes, with its
+            model term computed exactly); ``True`` also differentiates through the routing.
+
+    Returns:
+        the ascent direction, shape of ``W``.
+    """
+    _check_w(W)
+    _check_states(W, states, data)
+    check_positive_int("iterations", iterations)
+    _check_normalize(normalize)
+    with torch.enable_grad():
+        Wg = W.detach().clone().requires_grad_(True)
+        u = votes(Wg, states)
+        c = _routing_differentiable(u, iterations, normalize)
+        if not through_couplings:
+            c = c.detach()
+        z = torch.einsum("bij,bijo->bjo", c, u)
+        neg_f = torch.log1p((z * z).sum(-1)).sum(1)                      # -F(x) for every state
+        log_p = neg_f - torch.logsumexp(neg_f, 0)
+        (grad,) = torch.autograd.grad((data * log_p).sum(), Wg)
+    return grad
+
+
+def gibbs_cd1_expected(W: torch.Tensor, states: torch.Tensor, data: torch.Tensor, iterations: int = 3,
+                       normalize: str = "outputs") -> torch.Tensor:
+    """The expected CD-1 update with a true Gibbs step on a finite state space (chapter 7's enumerable toy).
+
+    ``h ~ P(h | x) = prod_j p_j^h_j (1 - p_j)^(1 - h_j)`` (Eq. 12), then ``x' ~ P(x' | h)`` proportional to
+    ``exp(-E(x', h)) = prod_j ||z_j(x')||^(2 h_j)`` (Eq. 7) over the listed states, each with its own
+    couplings ``c(x', W)``; the update is ``E_data[d(x)] - E[d(x')]`` with ``d`` the per-sample data term of
+    Eq. 18. Expectations over ``x``, ``h`` and ``x'`` are summed exactly (``2^J`` states of ``h``).
+
+    Returns:
+        the expected ascent direction, shape of ``W``.
+    """
+    _check_w(W)
+    _check_states(W, states, data)
+    check_positive_int("iterations", iterations)
+    _check_normalize(normalize)
+    J = W.shape[1]
+    with torch.no_grad():
+        c = cosine_routing(votes(W, states), iterations, normalize)          # (S, I, J)
+        z = route_forward(W, states, c)                                       # (S, J, Do)
+        n2 = (z * z).sum(-1)                                                  # (S, J)
+        p = n2 / (1.0 + n2)
+        g = z / (1.0 + n2).unsqueeze(-1)
+        d = 2.0 * torch.einsum("sij,sjo,sie->sijoe", c, g, states)            # per-state data term
+        hs = torch.tensor([[(k >> j) & 1 for j in range(J)] for k in range(2 ** J)], dtype=W.dtype,
+                          device=W.device)                                     # (H, J)
+        p_h_given_x = torch.prod(hs * p.unsqueeze(1) + (1 - hs) * (1 - p.unsqueeze(1)), dim=-1)   # (S, H)
+        log_w = hs @ torch.log(n2.clamp_min(1e-300)).T                        # (H, S): log exp(-E(x', h))
+        p_x_given_h = torch.softmax(log_w, dim=1)                             # (H, S)
+        weight_model = (data @ p_h_given_x) @ p_x_given_h                     # (S,) marginal of x'
+        return torch.einsum("s,sijoe->ijoe", data - weight_model, d)
+
+
+def sparsity_term(W: torch.Tensor, x: torch.Tensor, c: torch.Tensor, target: float) -> torch.Tensor:
+    """Ascent direction of ``-1/2 sum_j (q_j - target)^2`` with ``q_j = mean_b P(h_j = 1 | x_b)`` (chapter 7).
+
+    The RBM sparsity penalty of Lee et al. (2008) on the firing probability of Eq. 12, couplings held
+    constant: ``(target - q_j) mean_b 2 c_ij z_j x_i^T / (1 + ||z_j||^2)^2``. Added to the CD-1 update it
+    makes a capsule that fires for every image pay, which is what an expert that reads the mean pattern does.
+
+    Args:
+        W: ``(I, J, Do, Di)``; x: ``(B, I, Di)``; c: ``(B, I, J)``; target: the wanted mean firing
+            probability in ``(0, 1)``.
+
+    Returns:
+        ``(I, J, Do, Di)``.
+    """
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"target must lie in (0, 1); got {target}")
+    z = route_forward(W, x, c)
+    n2 = (z * z).sum(-1)
+    q = (n2 / (1.0 + n2)).mean(0)                                             # (J,)
+    g = z / (1.0 + n2).pow(2).unsqueeze(-1)
+    dq = torch.einsum("bij,bjo,bie->ijoe", c, g, x) * (2.0 / x.shape[0])      # d q_j / d W_ij
+    return (target - q).view(1, -1, 1, 1) * dq
+
+
+@torch.no_grad()
+def train_weights_sparse(W: torch.Tensor, x: torch.Tensor, *, epochs: int, lr: float, batch: int, strength: float,
+                         target: float, iterations: int = 3, momentum: float = 0.9, decay: float = 0.9,
+                         l2: float = 1e-4, generator: torch.Generator | None = None) -> dict[str, list[float]]:
+    """:func:`train_weights` with ``strength *`` :func:`sparsity_term` added to every CD-1 update (chapter 7's
+    control: an explicit pressure on each expert to fire for only a share ``target`` of the images).
+
+    Returns the per-epoch history ``reconstruction``, ``firing`` (mean ``P(h_j = 1 | x)`` over images and
+    capsules) and ``weight_norm``.
+    """
+    _check_w(W)
+    _check_x(W, x)
+    if strength < 0:
+        raise ValueError(f"strength must be >= 0; got {strength}")
+    history: dict[str, list[float]] = {"reconstruction": [], "firing": [], "weight_norm": []}
+    sums = {"rec": 0.0, "fire": 0.0}
+
+    def step(idx):
+        xb = x[idx]
+        r = cd1(W, xb, iterations)
+        sums["rec"] += ((xb - r.x_tilde) ** 2).mean().item() * len(xb)
+        sums["fire"] += r.y.norm(dim=-1).mean().item() * len(xb)
+        return r.delta + strength * sparsity_term(W, xb, r.c, target)
+
+    def after_epoch():
+        history["reconstruction"].append(sums["rec"] / len(x))
+        history["firing"].append(sums["fire"] / len(x))
+        history["weight_norm"].append(W.norm().item())
+        sums["rec"] = sums["fire"] = 0.0
+
+    _sgd_epochs(W, len(x), step, epochs=epochs, lr=lr, batch=batch, momentum=momentum, decay=decay, l2=l2,
+                generator=generator, after_epoch=after_epoch)
+    return history

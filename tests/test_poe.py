@@ -244,3 +244,111 @@ def test_with_experts_shares_the_autoencoder_and_draws_w_u_from_the_seed():
     torch.testing.assert_close(m.W, W_before)                                  # W is not shared
     with pytest.raises(ValueError, match="seed"):
         m.with_experts(-1)
+
+
+# ----------------------------------------------------------------------------- exact toy, sparsity control
+
+def _enumerable_toy(seed=0, scale=1.0, I=3, J=2, Di=2, Do=2, N=32):
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.arange(4, dtype=torch.float64) * torch.pi / 2
+    pts = torch.cat([torch.stack([r * torch.cos(ang), r * torch.sin(ang)], 1) for r in (0.3, 0.8)])
+    states = pts[torch.cartesian_prod(*[torch.arange(len(pts))] * I)]
+    W = scale * torch.randn(I, J, Do, Di, generator=g, dtype=torch.float64)
+    draw = torch.randint(0, len(states), (N,), generator=g)
+    data = torch.bincount(draw, minlength=len(states)).double() / N
+    return W, states, data, states[draw]
+
+
+def test_exact_gradient_with_couplings_fixed_is_data_minus_model_term():
+    W, states, data, x = _enumerable_toy(seed=1)
+    c = poe.cosine_routing(poe.votes(W, states), 3)
+    z = poe.route_forward(W, states, c)
+    neg_f = torch.log1p((z * z).sum(-1)).sum(1)
+    p_model = torch.softmax(neg_f, 0)
+    d = torch.stack([poe.data_term(W, states[s:s + 1], c[s:s + 1]) for s in range(len(states))])
+    expected = torch.einsum("s,sijoe->ijoe", data - p_model, d)
+    torch.testing.assert_close(poe.exact_log_likelihood_gradient(W, states, data), expected)
+    # the data half is the batch data term of Algorithm 1 on the same draws
+    torch.testing.assert_close(torch.einsum("s,sijoe->ijoe", data, d), poe.data_term(W, x, poe.cosine_routing(
+        poe.votes(W, x), 3)))
+
+
+def test_exact_gradient_through_couplings_matches_finite_differences():
+    W, states, data, _ = _enumerable_toy(seed=2, I=2)
+
+    def loglik(Wp):
+        u = poe.votes(Wp, states)
+        z = torch.einsum("bij,bijo->bjo", poe._routing_differentiable(u, 3, "outputs"), u)
+        neg_f = torch.log1p((z * z).sum(-1)).sum(1)
+        return float((data * (neg_f - torch.logsumexp(neg_f, 0))).sum())
+
+    grad = poe.exact_log_likelihood_gradient(W, states, data, through_couplings=True)
+    for idx in [(0, 0, 0, 0), (1, 1, 1, 0), (0, 1, 0, 1)]:
+        Wp, Wm = W.clone(), W.clone()
+        Wp[idx] += 1e-6
+        Wm[idx] -= 1e-6
+        assert abs((loglik(Wp) - loglik(Wm)) / 2e-6 - float(grad[idx])) < 1e-6
+
+
+def test_exact_gradient_and_gibbs_cd1_vanish_when_the_data_follow_the_model():
+    W, states, _, _ = _enumerable_toy(seed=3, scale=2.0)
+    c = poe.cosine_routing(poe.votes(W, states), 3)
+    z = poe.route_forward(W, states, c)
+    p_model = torch.softmax(torch.log1p((z * z).sum(-1)).sum(1), 0)
+    zero = torch.zeros_like(W)
+    torch.testing.assert_close(poe.exact_log_likelihood_gradient(W, states, p_model), zero)
+    # a Gibbs step leaves the model distribution where it is, so its expected CD-1 update is 0 as well
+    torch.testing.assert_close(poe.gibbs_cd1_expected(W, states, p_model), zero)
+    # on other data it is not 0 and points along the exact gradient
+    _, _, data, _ = _enumerable_toy(seed=4)
+    gibbs, exact = poe.gibbs_cd1_expected(W, states, data), poe.exact_log_likelihood_gradient(W, states, data)
+    assert float((gibbs.flatten() @ exact.flatten()) / (gibbs.norm() * exact.norm())) > 0.5
+
+
+def test_gibbs_cd1_matches_sampling():
+    W, states, data, _ = _enumerable_toy(seed=5, scale=1.5, I=2)
+    c = poe.cosine_routing(poe.votes(W, states), 3)
+    z = poe.route_forward(W, states, c)
+    n2 = (z * z).sum(-1)
+    d = torch.stack([poe.data_term(W, states[s:s + 1], c[s:s + 1]) for s in range(len(states))])
+    g = torch.Generator().manual_seed(0)
+    n = 40000
+    xs = torch.multinomial(data, n, replacement=True, generator=g)
+    h = (torch.rand(n, W.shape[1], generator=g, dtype=torch.float64) < (n2 / (1 + n2))[xs]).double()
+    log_w = h @ torch.log(n2).T                                     # (n, S)
+    x2 = torch.multinomial(torch.softmax(log_w, 1), 1, generator=g).squeeze(1)
+    sampled = torch.einsum("s,sijoe->ijoe", data, d) - d[x2].mean(0)
+    torch.testing.assert_close(poe.gibbs_cd1_expected(W, states, data), sampled, atol=0.02, rtol=0)
+
+
+def test_exact_gradient_rejects_bad_data():
+    W, states, data, _ = _enumerable_toy()
+    with pytest.raises(ValueError, match="probability vector"):
+        poe.exact_log_likelihood_gradient(W, states, 2 * data)
+    with pytest.raises(ValueError, match="one weight per state"):
+        poe.gibbs_cd1_expected(W, states, data[:-1])
+
+
+def test_sparsity_term_is_the_ascent_direction_of_the_penalty():
+    W, x, c = _problem(B=5, I=4, J=3, Do=3, Di=2, seed=7)
+    W_req = W.clone().requires_grad_(True)
+    z = poe.route_forward(W_req, x, c)
+    n2 = (z * z).sum(-1)
+    q = (n2 / (1 + n2)).mean(0)
+    (grad,) = torch.autograd.grad(-0.5 * ((q - 0.2) ** 2).sum(), W_req)
+    torch.testing.assert_close(poe.sparsity_term(W, x, c, 0.2), grad)
+    with pytest.raises(ValueError, match="target"):
+        poe.sparsity_term(W, x, c, 1.5)
+
+
+def test_train_weights_sparse_with_zero_strength_is_train_weights():
+    W0, x, _ = _problem(B=20, I=4, J=3, Do=3, Di=2, seed=8)
+    Wa, Wb = W0.clone(), W0.clone()
+    kw = dict(epochs=2, lr=0.05, batch=5, iterations=2)
+    ha = poe.train_weights(Wa, x, generator=torch.Generator().manual_seed(0), **kw)
+    hb = poe.train_weights_sparse(Wb, x, strength=0.0, target=0.1, generator=torch.Generator().manual_seed(0), **kw)
+    torch.testing.assert_close(Wa, Wb)
+    assert ha["reconstruction"] == pytest.approx(hb["reconstruction"])
+    Wc = W0.clone()
+    poe.train_weights_sparse(Wc, x, strength=5.0, target=0.1, generator=torch.Generator().manual_seed(0), **kw)
+    assert not torch.allclose(Wc, Wa)

@@ -53,6 +53,24 @@ def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
     return value
 
 
+def retina_figures() -> bool:
+    """In a Jupyter kernel, show matplotlib figures as retina PNGs: drawn at twice the figure's dpi,
+    with the figure's size in CSS pixels in the output's metadata (myst-nb writes it as the image's
+    width), so the published page shows them at the same size, sharp on high-density screens and
+    still legible where the column is narrower than the figure. Returns whether it applied."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover
+        return False
+    shell = get_ipython()
+    if shell is None or "IPKernelApp" not in getattr(shell, "config", {}):
+        return False
+    from matplotlib_inline.backend_inline import set_matplotlib_formats
+
+    set_matplotlib_formats("retina")
+    return True
+
+
 def setup(seed: int | None = None, device: str | torch.device | None = None, quiet: bool = False) -> Session:
     """Seed Python, NumPy and torch; choose the device; print profile, device and data sizes.
 
@@ -76,6 +94,7 @@ def setup(seed: int | None = None, device: str | torch.device | None = None, qui
         name = torch.cuda.get_device_name(dev)
     else:
         name = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    retina_figures()
     sess = Session(profile=profile, device=dev, seed=seed, started=time.time())
     _STATE["session"] = sess
     if not quiet:

@@ -28,7 +28,8 @@ from typing import Callable
 import matplotlib.pyplot as plt
 
 last_live = None         # the live controls of the latest interactive figure (for tests and scripts)
-FRAME_DPI = 100          # the book's figures are saved at this resolution too
+FIGURE_DPI = 100         # CSS pixels per inch of a figure on the page (matplotlib's figure.dpi)
+FRAME_DPI = 200          # frames are retina PNGs, like the book's inline figures (capslib.setup)
 MAX_FRAMES = 60
 _ids = itertools.count()
 
@@ -107,10 +108,19 @@ def render_frames(draw: Callable, knob: str, values: list, fixed: dict) -> list[
     return pngs
 
 
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's header."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise ValueError("png_size: data is not a PNG (bad signature or no IHDR chunk first)")
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
 def player_html(pngs: list[bytes], labels: list[str], start: int, title: str) -> str:
     """A self-contained HTML player: the frame at ``start`` shown, a range slider to move."""
     if len(pngs) != len(labels) or not 0 <= start < len(pngs):
         raise ValueError("expected one label per frame and a start index among them")
+    # shown at the figure's size in CSS pixels (the frames are drawn at FRAME_DPI / FIGURE_DPI times it)
+    css_width = round(png_size(pngs[start])[0] * FIGURE_DPI / FRAME_DPI)
     uid = f"capsbook-player-{next(_ids)}-{hashlib.sha256(b''.join(pngs[:1])).hexdigest()[:8]}"
     sources = [f"data:image/png;base64,{base64.b64encode(p).decode()}" for p in pngs]
     script = (
@@ -126,7 +136,7 @@ def player_html(pngs: list[bytes], labels: list[str], start: int, title: str) ->
     return (
         f'<div class="animation capsbook-player" id="{uid}">'
         f'<img src="{sources[start]}" alt="{html.escape(title)}: {html.escape(labels[start])}" '
-        f'style="max-width:100%;height:auto">'
+        f'width="{css_width}" style="max-width:100%;height:auto">'
         f'<div class="anim-controls"><label>{html.escape(title)} '
         f'<input type="range" class="anim-slider" min="0" max="{len(pngs) - 1}" step="1" value="{start}"></label> '
         f'<output>{html.escape(labels[start])}</output></div>'

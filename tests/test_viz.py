@@ -1,7 +1,10 @@
+import base64
+
 import matplotlib
 
 matplotlib.use("Agg")
 import numpy as np
+import pytest
 import torch
 
 from capslib import viz
@@ -58,6 +61,10 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
     assert [c for c in calls[:5]] == [(i, 1.0) for i in range(1, 6)]
     assert re.findall(r"iteration = (\d)", page)[:1] == ["3"] and "iteration = 5" in page
     assert len(published) == 1 and list(published[0]) == ["application/vnd.jupyter.widget-view+json"]
+    # frames are retina PNGs shown at the figure's size in CSS pixels: half their pixel width
+    first = base64.b64decode(re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1))
+    pixels = widgets.png_size(first)[0]
+    assert pixels > 100 and f'width="{round(pixels / 2)}"' in page
     slider = live.children[0]
     calls.clear()
     slider.value = 5
@@ -65,6 +72,20 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
     live.children[1].value = 0.5
     assert calls[-1] == (5, 0.5)
     matplotlib.pyplot.close("all")
+
+
+def test_png_size_reads_the_header_and_rejects_other_data():
+    import io
+
+    from capslib import widgets
+
+    fig = matplotlib.pyplot.figure(figsize=(3, 2))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=50)
+    matplotlib.pyplot.close(fig)
+    assert widgets.png_size(buf.getvalue()) == (150, 100)
+    with pytest.raises(ValueError, match="not a PNG"):
+        widgets.png_size(b"GIF89a" + bytes(30))
 
 
 def test_interactive_figure_rejects_a_knob_that_changes_nothing_and_bad_controls(monkeypatch):

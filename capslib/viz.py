@@ -57,11 +57,15 @@ def image_grid(images, nrow: int | None = None, titles=None, title: str | None =
     return fig
 
 
+MAX_TICKS = 8  # labelled rows per heatmap axis (more overlap at the book's column width)
+
+
 def heatmap_grid(mats, titles, xlabel: str, ylabel: str, cbar_label: str, vmax: float | None = 1.0,
                  per_row: int = 3, suptitle: str | None = None, panel_width: float = 2.4,
-                 panel_height: float = 3.6, xticklabels="auto"):
+                 panel_height: float = 3.6, xticklabels="auto", vmin: float = 0.0, cmap: str = "viridis"):
     """Heatmaps of 2-D arrays, at most ``per_row`` to a row (legible at the book's column width),
-    on one colour scale from 0 to ``vmax`` (the largest value if None) with one colour bar."""
+    on one colour scale from ``vmin`` to ``vmax`` (the largest value if None) with one colour bar
+    (a diverging ``cmap`` such as "RdBu_r" with ``vmin = -vmax`` shows deviations from a value)."""
     import math
 
     import seaborn as sns
@@ -74,6 +78,8 @@ def heatmap_grid(mats, titles, xlabel: str, ylabel: str, cbar_label: str, vmax: 
     if not isinstance(per_row, int) or per_row < 1:
         raise ValueError(f"per_row must be a positive integer; got {per_row!r}")
     top = vmax if vmax is not None else max(float(m.max()) for m in mats)
+    if not top > vmin:
+        raise ValueError(f"the colour scale needs vmax > vmin; got vmin={vmin}, vmax={top}")
     cols = min(per_row, len(mats))
     rows = math.ceil(len(mats) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(panel_width * cols + 1.2, panel_height * rows + (0.4 if suptitle else 0)),
@@ -82,11 +88,15 @@ def heatmap_grid(mats, titles, xlabel: str, ylabel: str, cbar_label: str, vmax: 
         if k >= len(mats):
             ax.set_visible(False)
             continue
-        sns.heatmap(mats[k], ax=ax, vmin=0, vmax=top, cmap="viridis", cbar=False, xticklabels=xticklabels)
+        # every n-th row labelled, upright, so that at most MAX_TICKS labels share an axis
+        ystep = max(1, math.ceil(mats[k].shape[0] / MAX_TICKS))
+        sns.heatmap(mats[k], ax=ax, vmin=vmin, vmax=top, cmap=cmap, cbar=False, xticklabels=xticklabels,
+                    yticklabels=ystep)
+        ax.tick_params(axis="y", labelrotation=0)
         ax.set_title(titles[k], fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel if k % cols == 0 else "")
-    fig.colorbar(ScalarMappable(Normalize(0, top), "viridis"), ax=axes, label=cbar_label, shrink=0.85)
+    fig.colorbar(ScalarMappable(Normalize(vmin, top), cmap), ax=axes, label=cbar_label, shrink=0.85)
     if suptitle:
         fig.suptitle(suptitle)
     return fig
@@ -94,8 +104,9 @@ def heatmap_grid(mats, titles, xlabel: str, ylabel: str, cbar_label: str, vmax: 
 
 def coupling_heatmaps(cs, title: str = "couplings c_ij", xlabel: str = "parent capsule j",
                       ylabel: str = "input capsule i", max_rows: int = 40, per_row: int = 3):
-    """One heatmap per routing iteration of couplings ``(I, J)`` (the list from ``routing_trace``)."""
-    return heatmap_grid([_np(c)[:max_rows] for c in cs], [f"iteration {t + 1}" for t in range(len(cs))],
+    """One heatmap per routing iteration of the couplings ``(I, J)`` it uses (the list from
+    ``routing_trace``: iteration 1 uses the uniform start)."""
+    return heatmap_grid([_np(c)[:max_rows] for c in cs], [f"used in iteration {t + 1}" for t in range(len(cs))],
                         xlabel, ylabel, "coupling", vmax=1.0, per_row=per_row, suptitle=title)
 
 

@@ -28,19 +28,25 @@ SIZES: dict[str, dict[str, dict]] = {
         # expanded_*: the 40x40 CapsNet of the affine comparison (expanded_train: training digits per
         # seed, None = all); cnn_width: its CNN baseline;
         # compare_seeds: seeds of that comparison (sess.seed + k); affine_* / expand_shift: the
-        # affNIST-style test set and the expanded training set (capslib.data.affine / expand).
+        # affNIST-style test set and the expanded training set (capslib.data.affine / expand);
+        # pitfall_*: the pitfall study (capslib.pitfalls): training digits per seed, epochs, seeds and
+        # the network's widths (each variant trains this network on the same digits and seeds).
         "ci": dict(dataset="embedded", conv_channels=32, primary_types=8, primary_dim=8, digit_dim=16,
                    decoder=(256, 512), iterations=3, epochs=4, batch_size=64, lr=2e-3, lr_decay=0.9,
                    expanded_epochs=2, expanded_batch_size=32, expanded_primary_stride=4, expanded_train=3000,
                    cnn_width=16,
                    compare_seeds=3, expand_shift=6, affine_rotation=20.0, affine_shear=(0.1, 0.2),
-                   affine_scale=(0.8, 1.2), affine_shift=4.0, affnist_limit=10000),
+                   affine_scale=(0.8, 1.2), affine_shift=4.0, affnist_limit=10000,
+                   pitfall_train=800, pitfall_epochs=1, pitfall_batch_size=32, pitfall_seeds=3,
+                   pitfall_conv_channels=16, pitfall_primary_types=4, pitfall_decoder=(64,)),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                      decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,
                      expanded_epochs=10, expanded_batch_size=128, expanded_primary_stride=2, expanded_train=None,
                      cnn_width=64,
                      compare_seeds=3, expand_shift=6, affine_rotation=20.0, affine_shear=(0.1, 0.2),
-                     affine_scale=(0.8, 1.2), affine_shift=4.0, affnist_limit=None),
+                     affine_scale=(0.8, 1.2), affine_shift=4.0, affnist_limit=None,
+                     pitfall_train=10000, pitfall_epochs=3, pitfall_batch_size=128, pitfall_seeds=3,
+                     pitfall_conv_channels=256, pitfall_primary_types=32, pitfall_decoder=(512, 1024)),
         # `full` fits one H100 in about 7 minutes (capslib.bench: 17k images/s for the 28x28 CapsNet,
         # 9.5k for the 40x40 one, bf16 eager); CAPSBOOK_PAPER_SCHEDULE=1 restores the longer schedule.
         "paper": dict(expanded_epochs=30, compare_seeds=5),

@@ -36,10 +36,12 @@ profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", routes=4, epochs=20, batch_size=50, lr=0.003, init_std=0.01,
             routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=20, compare_seeds=3,
-            match_steps=50, scaling_samples=1000, cifar=False),
+            match_steps=50, scaling_samples=1000, cifar=False,
+            ablation_images=1000, ablation_epochs=6, ablation_seeds=3),
     full=dict(dataset="mnist", routes=4, epochs=60, batch_size=50, lr=0.003, init_std=0.01,
               routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=60, compare_seeds=5,
-              match_steps=50, scaling_samples=1000, cifar=True),
+              match_steps=50, scaling_samples=1000, cifar=True,
+              ablation_images=None, ablation_epochs=60, ablation_seeds=5),
 )
 
 
@@ -316,6 +318,110 @@ def train_gd(net: SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, *, epoc
                   f"train acc {history['train_acc'][-1]:.3f}" + ("" if math.isnan(va) else f"  val acc {va:.3f}")
                   + f"  {history['seconds'][-1]:.2f} s")
     return history
+
+
+# ----------------------------------------------------------------------------- ablations of the collapse
+
+VARIANTS = ("slides", "no r in eta", "softmax gate", "competitive error", "gates sum to 1")
+
+
+def variant_outputs(net: SoftRoutingNet, x: torch.Tensor, variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(r, Y, y)`` of ``net`` on ``x`` as the training ``variant`` computes them (autograd graph kept).
+
+    * ``"slides"``, ``"gates sum to 1"``: the slides' network, ``r = sigma(R x)``, ``y = r Y``
+      (the second differs only in its initialisation, :func:`init_gates_sum_to_one`);
+    * ``"no r in eta"``: the same forward values, but the routes receive the output error without the
+      factor ``r(j)`` of Eq. ch3-eta (``y = sum_j r_j sg(y^j) + sum_j (y^j - sg(y^j))``, ``sg`` = detach:
+      the gate still gets ``delta . y^j``, route ``j`` gets ``delta`` itself);
+    * ``"softmax gate"``: ``r = softmax(R x)`` over the routes, ``y = r Y``;
+    * ``"competitive error"``: the slides' forward; :func:`variant_energy` scores it differently.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    net._check_x(x)
+    a = x @ net.R.T
+    r = torch.softmax(a, dim=1) if variant == "softmax gate" else torch.sigmoid(a)
+    Y = torch.sigmoid(torch.einsum("moi,ni->nmo", net.P, x))
+    if variant == "no r in eta":
+        Yd = Y.detach()
+        y = torch.einsum("nm,nmo->no", r, Yd) + (Y - Yd).sum(dim=1)
+    else:
+        y = torch.einsum("nm,nmo->no", r, Y)
+    return r, Y, y
+
+
+def variant_energy(r: torch.Tensor, Y: torch.Tensor, y: torch.Tensor, y_star: torch.Tensor, variant: str) -> torch.Tensor:
+    """The energy a variant minimises, summed over the batch: the slides' cooperative
+    ``1/2 sum_n ||y*_n - y_n||^2`` for every variant but ``"competitive error"``, whose energy is
+    Jacobs et al.'s ``1/2 sum_n sum_j q_n(j) ||y*_n - y^j_n||^2`` with ``q = r / sum_k r(k)``
+    (each route is scored on its own output, weighted by its share of the gate)."""
+    if variant == "competitive error":
+        q = route_distribution(r)
+        return 0.5 * (q * ((y_star.unsqueeze(1) - Y) ** 2).sum(dim=2)).sum()
+    return energy(y, y_star)
+
+
+def init_gates_sum_to_one(net: SoftRoutingNet, x: torch.Tensor) -> SoftRoutingNet:
+    """Shift the gate's bias (the weight of the constant input, the last column of ``R``) by one common
+    amount so that the gates sum to 1 on average over the inputs ``x``: ``mean_n sum_j r_n(j) = 1``
+    (found by bisection; the sum falls monotonically as the shift falls)."""
+    net._check_x(x)
+    if net.routes < 2:
+        raise ValueError(f"init_gates_sum_to_one needs at least 2 routes; the net has {net.routes}")
+    with torch.no_grad():
+        a = x @ net.R.T
+        lo, hi = -50.0, 50.0
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            if float(torch.sigmoid(a + mid).sum(dim=1).mean()) > 1.0:
+                hi = mid
+            else:
+                lo = mid
+        net.R[:, -1] += 0.5 * (lo + hi)
+    return net
+
+
+def train_variant(net: SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, variant: str, *, epochs: int,
+                  batch_size: int, lr: float, seed: int = 0, probe: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """Minibatch gradient descent on :func:`variant_energy` (autograd; same schedule as :func:`train_gd`:
+    a seeded permutation per epoch, energy summed over the minibatch, step ``lr``). ``"gates sum to 1"``
+    first shifts the gate's bias with :func:`init_gates_sum_to_one` on the training inputs. Records, on ``probe = (x, labels)``
+    (default: the training set), the routing entropy and the route-class mutual information (bits) at
+    initialisation and after every epoch, and the probe accuracy after the last one.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    check_positive_int("batch_size", batch_size)
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1; got {epochs!r}")
+    if variant == "gates sum to 1":
+        init_gates_sum_to_one(net, x)
+    px, plab = probe if probe is not None else (x, labels)
+    targets = one_hot(labels, net.d_out, dtype=x.dtype)
+    gen = torch.Generator().manual_seed(seed)
+
+    def measure(hist):
+        with torch.no_grad():
+            r, _, y = variant_outputs(net, px, variant)
+        hist["entropy"].append(float(routing_entropy(r)))
+        hist["mutual_information"].append(float(route_class_mutual_information(r, plab, net.d_out)))
+        hist["gate_sum"].append(float(r.sum(dim=1).mean()))
+        return y
+
+    hist: dict = {"entropy": [], "mutual_information": [], "gate_sum": []}
+    measure(hist)
+    for _ in range(epochs):
+        perm = torch.randperm(x.shape[0], generator=gen).to(x.device)
+        for s in range(0, x.shape[0], batch_size):
+            idx = perm[s:s + batch_size]
+            net.zero_grad(set_to_none=True)
+            variant_energy(*variant_outputs(net, x[idx], variant), targets[idx], variant).backward()
+            with torch.no_grad():
+                for p in (net.R, net.P):
+                    p -= lr * p.grad
+        y = measure(hist)
+    hist["accuracy"] = float((y.argmax(dim=1) == plab).to(torch.float64).mean())
+    return hist
 
 
 # ----------------------------------------------------------------------------- mixing statistics

@@ -214,3 +214,60 @@ def test_route_gradient_vs_alone_rejects_bad_shapes():
     with pytest.raises(ValueError, match="shapes must be"):
         sr.route_gradient_vs_alone(lambda P, xn, tn: P.sum(), net.P, x, y_star, torch.rand(4, 3, dtype=torch.float64),
                                    y_star)
+
+
+# ----------------------------------------------------------------------------- the collapse ablations
+
+def _ablation_data(n=120, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = sr.with_bias(torch.rand(n, 1, 6, 6, generator=g, dtype=torch.float64))
+    return x, torch.randint(0, 4, (n,), generator=g)
+
+
+def _ablation_net(seed=0):
+    return sr.SoftRoutingNet(37, 4, 3, init_std=0.05, routing_init_std=0.3,
+                             generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_slides_variant_reproduces_the_hand_coded_update():
+    x, y = _ablation_data()
+    a, b = _ablation_net(), _ablation_net()
+    sr.train_gd(a, x, y, epochs=2, batch_size=20, lr=0.05, seed=3, progress=False)
+    sr.train_variant(b, x, y, "slides", epochs=2, batch_size=20, lr=0.05, seed=3)
+    torch.testing.assert_close(b.R.detach(), a.R.detach())
+    torch.testing.assert_close(b.P.detach(), a.P.detach())
+
+
+def test_no_r_in_eta_drops_only_the_routes_factor_r():
+    x, y = _ablation_data()
+    t = sr.one_hot(y, 4, dtype=torch.float64)
+    net = _ablation_net()
+    r, Y, out = sr.variant_outputs(net, x, "no r in eta")
+    torch.testing.assert_close(out, net(x))                    # same forward values
+    sr.variant_energy(r, Y, out, t, "no r in eta").backward()
+    sig = sr.error_signals(r.detach(), Y.detach(), t)
+    eta_without_r = sig.eta / r.detach().unsqueeze(2)          # Eq. ch3-eta without its factor r(j)
+    torch.testing.assert_close(net.P.grad, torch.einsum("nmo,ni->moi", eta_without_r, x))
+    torch.testing.assert_close(net.R.grad, torch.einsum("nm,ni->mi", sig.eps, x))   # the gate's is unchanged
+
+
+def test_competitive_error_scores_each_route_on_its_own_output():
+    x, y = _ablation_data(n=5)
+    t = sr.one_hot(y, 4, dtype=torch.float64)
+    r, Y, out = sr.variant_outputs(_ablation_net(), x, "competitive error")
+    q = r / r.sum(dim=1, keepdim=True)
+    want = sum(0.5 * float(q[n, j]) * float(((t[n] - Y[n, j]) ** 2).sum()) for n in range(5) for j in range(3))
+    assert float(sr.variant_energy(r, Y, out, t, "competitive error")) == pytest.approx(want, rel=1e-12)
+
+
+def test_gates_sum_to_one_on_average_and_bad_arguments():
+    x, y = _ablation_data()
+    net = sr.init_gates_sum_to_one(_ablation_net(), x)
+    assert float(net.routing(x).sum(dim=1).mean()) == pytest.approx(1.0, abs=1e-9)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        sr.train_variant(_ablation_net(), x, y, "cooperative", epochs=1, batch_size=10, lr=0.1)
+    with pytest.raises(ValueError, match="epochs must be an int >= 1"):
+        sr.train_variant(_ablation_net(), x, y, "slides", epochs=0, batch_size=10, lr=0.1)
+    hist = sr.train_variant(_ablation_net(), x, y, "softmax gate", epochs=2, batch_size=30, lr=0.05)
+    assert len(hist["entropy"]) == len(hist["mutual_information"]) == 3
+    assert hist["gate_sum"] == pytest.approx([1.0] * 3)       # a softmax gate always sums to 1

@@ -54,6 +54,7 @@ profiles.register(
             iterations=3, train_subset=1500, epochs=4, pretrain_epochs=2, batch_size=32, lr=2e-3,
             lr_decay=0.99, levels=11, levels_sweep=(2, 3, 5, 7, 9, 11, 16, 21, 31), lobster_lambda=5e-3,
             lobster_decay=0.99, lobster_tolerance=0.02, search_steps=7, imp_final_sparsity=0.8,
+            lobster_sensitivity="max", imp_matched=True, ablation=True,
             snip_batch=256, fc_conv_channels=16, fc_epochs=4, fc_pretrain_epochs=2, fc_batch_size=64,
             fc_train_subset=1000, seeds=3),
     # The paper's MNIST setting (Sec. 4, App. B): DR-CapsNet of Sabour et al. without
@@ -68,6 +69,7 @@ profiles.register(
               iterations=3, train_subset=None, epochs=15, pretrain_epochs=0, batch_size=128, lr=1e-3,
               lr_decay=0.99, levels=11, levels_sweep=(2, 3, 5, 7, 9, 11, 16, 21, 31, 65, 129),
               lobster_lambda=1e-4, lobster_decay=0.99, lobster_tolerance=0.0, search_steps=12,
+              lobster_sensitivity="max", imp_matched=True, ablation=True,
               imp_final_sparsity=0.85, snip_batch=512, fc_conv_channels=256, fc_epochs=15,
               fc_pretrain_epochs=0, fc_batch_size=128, fc_train_subset=None, seeds=3),
     paper=dict(epochs=200, seeds=5, fc_epochs=100),
@@ -142,6 +144,27 @@ def parse_tree_entropy(codes: torch.Tensor, predicted: torch.Tensor, num_classes
     p = counts.to(torch.float64) / n_j[cls]
     per_class.index_add_(0, cls, -p * torch.log2(p))
     return per_class, per_class.mean()
+
+
+def miller_madow_entropy(codes: torch.Tensor, predicted: torch.Tensor, num_classes: int):
+    """Bias-corrected entropy of each class's dictionary (chapter 6): the plug-in entropy of
+    :func:`parse_tree_entropy` plus Miller and Madow's correction ``(m_j - 1) / (2 n_j ln 2)`` bits,
+    with ``m_j`` distinct keys among ``n_j`` samples (0 for a class with no sample).
+    The plug-in estimate is biased low by about that much when keys are seen few times each.
+
+    Returns ``(per_class, mean)`` like :func:`parse_tree_entropy`."""
+    per_class, _ = parse_tree_entropy(codes, predicted, num_classes)
+    m = count_parse_trees(codes, predicted, num_classes).to(torch.float64)
+    n = torch.bincount(predicted.long(), minlength=num_classes).to(torch.float64).to(per_class.device)
+    corr = torch.where(n > 0, (m - 1).clamp_min(0) / (2 * n.clamp_min(1) * math.log(2)), torch.zeros_like(n))
+    per_class = per_class + corr
+    return per_class, per_class.mean()
+
+
+def entropy_ceiling(predicted: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``log2 n_j`` per class: the largest plug-in entropy ``n_j`` samples can show (one key each)."""
+    n = torch.bincount(predicted.long(), minlength=num_classes).to(torch.float64)
+    return torch.where(n > 0, torch.log2(n.clamp_min(1)), torch.zeros_like(n))
 
 
 def count_parse_trees(codes: torch.Tensor, predicted: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -310,19 +333,61 @@ def apply_global_magnitude(params: list[tuple[nn.Module, str]], fraction: float)
         set_mask(module, name, mask if old is None else mask * old)
 
 
-def lobster_step(params: list[tuple[nn.Module, str]], lam: float) -> None:
-    """LOBSTER's sensitivity step (Tartaglione et al. 2022; chapter 6), after ``backward``
-    and before the optimizer step: ``p <- p - lam * p * max(0, 1 - |dL/dp|)``.
+SENSITIVITIES = ("raw", "max", "none")
 
-    Weights the loss is insensitive to (small gradient) shrink towards zero; weights with
-    ``|dL/dp| >= 1`` are left alone.
+
+def lobster_sensitivity(grad: torch.Tensor, kind: str | None = "max") -> torch.Tensor:
+    """The sensitivity ``S`` in LOBSTER's gate ``max(0, 1 - S)`` (chapter 6), per weight.
+
+    ``"raw"`` (or ``None``): ``|dL/dp|`` as printed. On chapter 6's ``ci`` CapsNet the largest
+    ``|dL/dp|`` is about 1e-2, so the gate is about 1 for every weight and the step is plain
+    weight decay. ``"max"``: ``|dL/dp|`` divided by the largest ``|dL/dp|`` of the same tensor,
+    so ``S`` lies in ``[0, 1]`` whatever the loss's scale: the most sensitive weight of each
+    tensor is left alone and the rest shrink in proportion to ``1 - S`` (the book's choice; no
+    new hyperparameter, and the gate never clips). ``"none"``: ``S = 0``, the gate is 1,
+    i.e. plain weight decay (the ablation)."""
+    if kind in (None, "raw"):
+        return grad.abs()
+    if kind == "max":
+        g = grad.abs()
+        top = g.max()
+        return g / top if float(top) > 0 else torch.zeros_like(g)
+    if kind == "none":
+        return torch.zeros_like(grad)
+    raise ValueError(f"kind must be one of {SENSITIVITIES} or None; got {kind!r}")
+
+
+def lobster_step(params: list[tuple[nn.Module, str]], lam: float, sensitivity: str | None = None,
+                 active_below: float = 0.99) -> dict:
+    """LOBSTER's sensitivity step (Tartaglione et al. 2022; chapter 6), after ``backward``
+    and before the optimizer step: ``p <- p - lam * p * max(0, 1 - S(p))`` with ``S`` from
+    :func:`lobster_sensitivity` (default ``"raw"``: ``S = |dL/dp|``).
+
+    Weights the loss is insensitive to shrink towards zero; weights with ``S >= 1`` are left
+    alone. Returns the share of weights whose gate ``max(0, 1 - S)`` is below ``active_below``
+    with the raw sensitivity and with the one applied: ``{"raw": ..., "applied": ...}``.
     """
+    n = active_raw = active = 0
     with torch.no_grad():
         for module, name in params:
             p = _orig(module, name)
             if p.grad is None:
                 continue
-            p.sub_(lam * p * (1.0 - p.grad.abs()).clamp_min(0.0))
+            gate_raw = (1.0 - p.grad.abs()).clamp_min(0.0)
+            gate = gate_raw if sensitivity in (None, "raw") else \
+                (1.0 - lobster_sensitivity(p.grad, sensitivity)).clamp_min(0.0)
+            live = _live(module, name)
+            n += int(live.sum())
+            active_raw += int(((gate_raw < active_below) & live).sum())
+            active += int(((gate < active_below) & live).sum())
+            p.sub_(lam * p * gate)
+    return {"raw": active_raw / max(n, 1), "applied": active / max(n, 1)}
+
+
+def _live(module: nn.Module, name: str) -> torch.Tensor:
+    """Boolean mask of the weights not pruned yet."""
+    mask = getattr(module, name + "_mask", None)
+    return torch.ones_like(_orig(module, name), dtype=torch.bool) if mask is None else mask.bool()
 
 
 @torch.no_grad()
@@ -375,26 +440,60 @@ def threshold_search(model: nn.Module, params: list[tuple[nn.Module, str]], val,
 
 
 class LobsterPruner:
-    """REM's pruning (chapter 6): LOBSTER (Tartaglione et al. 2022), the method the paper plugs in.
+    """REM's pruning (chapter 6): LOBSTER (Tartaglione et al. 2022), the method the book plugs in.
 
     ``before_step`` applies :func:`lobster_step` with ``lam`` (decayed by ``decay`` after
-    every epoch); ``on_epoch_end`` runs :func:`threshold_search` on ``val`` and records
-    the sparsity in ``history["sparsity"]``. Pass both to :func:`capslib.train.fit`.
+    every epoch) and the given ``sensitivity``; ``on_epoch_end`` runs :func:`threshold_search`
+    on ``val`` and records the sparsity in ``history["sparsity"]`` and the epoch's mean share of
+    gates below 0.99 in ``history["gate_active"]`` (``{"raw", "applied"}`` per epoch).
+    Pass both to :func:`capslib.train.fit`.
     """
 
     def __init__(self, params, val, lam: float = 1e-4, decay: float = 0.99, tolerance: float = 0.0,
-                 steps: int = 8):
+                 steps: int = 8, sensitivity: str | None = None):
         self.params, self.val = params, val
         self.lam0, self.lam, self.decay = lam, lam, decay
         self.tolerance, self.steps = tolerance, steps
+        self.sensitivity = sensitivity
+        self._gates: list[dict] = []
         attach_masks(params)
 
     def before_step(self, model, optimizer) -> None:
-        lobster_step(self.params, self.lam)
+        self._gates.append(lobster_step(self.params, self.lam, self.sensitivity))
+
+    def _record_gates(self, history) -> None:
+        if self._gates:
+            history.setdefault("gate_active", []).append(
+                {k: sum(g[k] for g in self._gates) / len(self._gates) for k in ("raw", "applied")})
+        self._gates = []
 
     def on_epoch_end(self, epoch, model, history) -> None:
+        self._record_gates(history)
         s = threshold_search(model, self.params, self.val, self.tolerance, self.steps)
         history.setdefault("sparsity", []).append(s)
+        self.lam = self.lam0 * self.decay ** (epoch + 1)
+
+
+class MatchedPruner(LobsterPruner):
+    """Chapter 6's ablation at matched sparsity: an optional shrinkage step (:func:`lobster_step`
+    with ``sensitivity``; ``lam = 0`` for none), and after each epoch global magnitude pruning to
+    the next sparsity in ``targets`` (e.g. the sparsities REM reached after each of its epochs),
+    whatever the loss says."""
+
+    def __init__(self, params, targets: Sequence[float], lam: float = 0.0, decay: float = 0.99,
+                 sensitivity: str | None = "none"):
+        super().__init__(params, None, lam=lam, decay=decay, sensitivity=sensitivity)
+        self.targets = list(targets)
+
+    def before_step(self, model, optimizer) -> None:
+        if self.lam > 0:
+            super().before_step(model, optimizer)
+
+    def on_epoch_end(self, epoch, model, history) -> None:
+        self._record_gates(history)
+        done = len(history.get("sparsity", []))
+        apply_global_magnitude(self.params, self.targets[min(done, len(self.targets) - 1)])
+        history.setdefault("sparsity", []).append(sparsity(self.params))
         self.lam = self.lam0 * self.decay ** (epoch + 1)
 
 
@@ -474,7 +573,7 @@ def level_sweep(model: nn.Module, split, levels: Sequence[int] = (11,), batch_si
     """Accuracy, entropy (Eq. 14-15) and keys per class of a CapsNet whose last couplings
     are quantized with each ``K`` in ``levels`` (Fig. 7), from one pass of the
     convolutions and votes. Returns ``{"float": {"accuracy"}, K: {"accuracy", "entropy",
-    "per_class", "keys", "codes", "predicted", "c"}}`` where ``c (N, I)`` are the continuous
+    "entropy_mm", "per_class", "keys", "codes", "predicted", "c"}}`` (``entropy_mm``: Miller-Madow) where ``c (N, I)`` are the continuous
     couplings to the class the quantized model predicts and ``codes`` their indices."""
     was = model.training
     model.eval()
@@ -500,7 +599,9 @@ def level_sweep(model: nn.Module, split, levels: Sequence[int] = (11,), batch_si
         pred = torch.cat(parts[K]["pred"])
         codes = torch.cat(parts[K]["codes"])
         per_class, mean = parse_tree_entropy(codes, pred, J)
+        _, mean_mm = miller_madow_entropy(codes, pred, J)
         out[K] = {"accuracy": float((pred == split.y).float().mean()), "entropy": float(mean),
+                  "entropy_mm": float(mean_mm),
                   "per_class": per_class.tolist(), "keys": count_parse_trees(codes, pred, J).tolist(),
                   "codes": codes, "predicted": pred, "c": torch.cat(parts[K]["c"])}
     return out
@@ -516,7 +617,7 @@ class LevelTracker:
     def __call__(self, epoch, model, history) -> None:
         res = level_sweep(model, self.split, self.levels)
         history.setdefault("levels", []).append(
-            {str(K): {k: res[K][k] for k in ("accuracy", "entropy", "keys")} for K in self.levels})
+            {str(K): {k: res[K][k] for k in ("accuracy", "entropy", "entropy_mm", "keys")} for K in self.levels})
         if self.params is not None and "sparsity" not in history:
             history.setdefault("weight_sparsity", []).append(sparsity(self.params))
 
@@ -549,6 +650,9 @@ def saliency_maps(model: nn.Module, x: torch.Tensor, levels: int = 11) -> tuple[
 # ----------------------------------------------------------------------------- the experiment
 
 METHODS = ("vanilla (+Q)", "REM (LOBSTER)", "IMP", "SNIP")
+#: the ablation run of chapter 6 (trained when the settings have ``ablation=True``): LOBSTER's
+#: shrinkage with the gate removed (plain weight decay), pruned by magnitude to REM's sparsities
+WEIGHT_DECAY = "weight decay"
 
 
 def make_capsnet(S, seed: int, device=None) -> nn.Module:
@@ -613,7 +717,7 @@ def compare_methods(seed: int, S, train_split, val, test, *, track: bool = False
     nets[METHODS[0]], params[METHODS[0]] = vanilla, None
     secs[METHODS[0]] = time.perf_counter() - t0
 
-    def branch(method: str, run: str, pruner_for) -> list:
+    def branch(method: str, run: str, pruner_for, tracked: bool = True) -> list:
         """Continue the shared start with a pruner made by ``pruner_for(prunable weights)``."""
         t0 = time.perf_counter()
         net = make_capsnet(S, seed, device)
@@ -622,15 +726,23 @@ def compare_methods(seed: int, S, train_split, val, test, *, track: bool = False
         pruner = pruner_for(pruned)
         hist[method] = _train.fit(net, train_split, margin_loss_fn, epochs=rest, checkpoint=ckpt(run),
                                   before_step=getattr(pruner, "before_step", None),
-                                  on_epoch_end=chain(pruner.on_epoch_end, tracker()),
+                                  on_epoch_end=chain(pruner.on_epoch_end, tracker() if tracked else None),
                                   desc=f"{method.split(' ')[0]} (seed {seed})", **fit_args)
         nets[method], params[method] = net, pruned
         secs[method] = time.perf_counter() - t0
         return pruned
 
     rem_params = branch(METHODS[1], "rem", lambda w: LobsterPruner(
-        w, val, lam=S.lobster_lambda, decay=S.lobster_decay, tolerance=S.lobster_tolerance, steps=S.search_steps))
-    branch(METHODS[2], "imp", lambda w: MagnitudeSchedulePruner(w, S.imp_final_sparsity, rest))
+        w, val, lam=S.lobster_lambda, decay=S.lobster_decay, tolerance=S.lobster_tolerance, steps=S.search_steps,
+        sensitivity=getattr(S, "lobster_sensitivity", None)))
+    rem_path = list(hist[METHODS[1]].get("sparsity", [])) or [sparsity(rem_params)]
+    if getattr(S, "imp_matched", False):   # magnitude alone, to REM's sparsity after each epoch
+        branch(METHODS[2], "imp_matched", lambda w: MatchedPruner(w, rem_path, lam=0.0))
+    else:
+        branch(METHODS[2], "imp", lambda w: MagnitudeSchedulePruner(w, S.imp_final_sparsity, rest))
+    if getattr(S, "ablation", False):      # LOBSTER's shrinkage without its gate, same sparsities
+        branch(WEIGHT_DECAY, "wd", lambda w: MatchedPruner(w, rem_path, lam=S.lobster_lambda, decay=S.lobster_decay,
+                                                           sensitivity="none"), tracked=False)
 
     t0 = time.perf_counter()
     snip_net = make_capsnet(S, seed, device)

@@ -276,3 +276,84 @@ def test_compare_methods_trains_four_networks_with_keyed_checkpoints_and_resumes
             torch.testing.assert_close(a, b)
     other = rem.compare_methods(4, S, tr, val, test, progress=False)                # another seed: other weights
     assert not torch.equal(other["nets"]["vanilla (+Q)"].digit.W, run["nets"]["vanilla (+Q)"].digit.W)
+
+
+# ------------------------------------------------------------------ LOBSTER's gate, the matched ablation, Miller-Madow
+
+def test_lobster_sensitivity_forms():
+    g = torch.tensor([[-0.004, 0.001], [0.002, 0.0]])
+    torch.testing.assert_close(rem.lobster_sensitivity(g, "raw"), g.abs())
+    torch.testing.assert_close(rem.lobster_sensitivity(g, None), g.abs())
+    torch.testing.assert_close(rem.lobster_sensitivity(g, "max"), torch.tensor([[1.0, 0.25], [0.5, 0.0]]))
+    assert rem.lobster_sensitivity(g, "none").abs().sum() == 0
+    assert rem.lobster_sensitivity(torch.zeros(3), "max").tolist() == [0.0, 0.0, 0.0]   # no division by zero
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rem.lobster_sensitivity(g, "quantile")
+
+
+def _one_layer(weight, grad):
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+    lin.weight.grad = grad.clone()
+    return [(lin, "weight")]
+
+
+def test_lobster_step_raw_is_weight_decay_for_small_gradients_and_max_gates():
+    w = torch.tensor([[1.0, 2.0, -3.0, 4.0]])
+    g = torch.tensor([[1e-3, 2e-3, 4e-3, 0.0]])               # gradients as small as on the ci CapsNet
+    params = _one_layer(w, g)
+    share = rem.lobster_step(params, lam=0.1)                  # default: the formula as printed
+    torch.testing.assert_close(params[0][0].weight.detach(), w - 0.1 * w * (1 - g.abs()))
+    assert share == {"raw": 0.0, "applied": 0.0}               # no gate below 0.99: plain weight decay
+    params = _one_layer(w, g)
+    share = rem.lobster_step(params, lam=0.1, sensitivity="max")
+    gate = torch.tensor([[0.75, 0.5, 0.0, 1.0]])                # 1 - |g| / max|g|
+    torch.testing.assert_close(params[0][0].weight.detach(), w - 0.1 * w * gate)
+    assert share["raw"] == 0.0 and share["applied"] == pytest.approx(0.75)
+    params = _one_layer(w, g)
+    rem.lobster_step(params, lam=0.1, sensitivity="none")
+    torch.testing.assert_close(params[0][0].weight.detach(), 0.9 * w)
+
+
+def test_lobster_step_counts_only_live_weights():
+    w = torch.tensor([[1.0, 2.0, -3.0, 4.0]])
+    params = _one_layer(w, torch.tensor([[1e-3, 2e-3, 4e-3, 0.0]]))
+    rem.set_mask(*params[0], torch.tensor([[1.0, 1.0, 0.0, 1.0]]))   # the weight with the largest gradient is pruned
+    params[0][0].weight_orig.grad = torch.tensor([[1e-3, 2e-3, 4e-3, 0.0]])
+    share = rem.lobster_step(params, lam=0.1, sensitivity="max")
+    assert share["applied"] == pytest.approx(2 / 3)                  # gates 0.75, 0.5 (live) and 1.0
+
+
+def test_matched_pruner_follows_the_targets_and_records_gates():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(20, 10, bias=False)
+    params = [(lin, "weight")]
+    pr = rem.MatchedPruner(params, [0.3, 0.6], lam=0.05, decay=0.5, sensitivity="none")
+    history = {}
+    for epoch in range(3):
+        lin.weight_orig.grad = torch.randn(10, 20) * 1e-3
+        pr.before_step(lin, None)
+        pr.on_epoch_end(epoch, lin, history)
+    assert history["sparsity"] == pytest.approx([0.3, 0.6, 0.6])
+    assert len(history["gate_active"]) == 3 and all(g["applied"] == 0.0 for g in history["gate_active"])
+    assert pr.lam == pytest.approx(0.05 * 0.5 ** 3)
+    none = rem.MatchedPruner([(torch.nn.Linear(4, 4, bias=False), "weight")], [0.5], lam=0.0)
+    before = none.params[0][0].weight_orig.detach().clone()
+    none.params[0][0].weight_orig.grad = torch.ones(4, 4)
+    none.before_step(None, None)                                       # lam = 0: no shrinkage, nothing recorded
+    torch.testing.assert_close(none.params[0][0].weight_orig.detach(), before)
+    assert none._gates == []
+
+
+def test_miller_madow_adds_the_bias_correction_and_ceiling():
+    codes = torch.tensor([[0, 1], [0, 1], [1, 1], [2, 0], [2, 0]])
+    pred = torch.tensor([0, 0, 0, 1, 1])
+    plug, _ = rem.parse_tree_entropy(codes, pred, 3)
+    mm, mean = rem.miller_madow_entropy(codes, pred, 3)
+    expected = plug + torch.tensor([(2 - 1) / (2 * 3 * math.log(2)), 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(mm, expected)
+    torch.testing.assert_close(mean, expected.mean())
+    torch.testing.assert_close(rem.entropy_ceiling(pred, 3),
+                               torch.tensor([math.log2(3), 1.0, 0.0], dtype=torch.float64))
+    assert (plug <= rem.entropy_ceiling(pred, 3) + 1e-12).all()

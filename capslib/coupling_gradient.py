@@ -31,20 +31,24 @@ CHAPTER = "04_coupling_gradient_proof"
 # detached couplings) trains on 28x28 digits (`train_subset` of the training split), a
 # second pair (`expanded_*`) on expanded MNIST (40x40, shifted up to 6 px) for the
 # affNIST-style test. Both pairs are trained from `seeds` seeds (sess.seed + k), the
-# same seed for both variants, so that their difference can be taken seed by seed.
-# `ci` shrinks the networks and the data so that three seeds fit the time budget.
+# same seed for both variants, so that their difference can be taken seed by seed. A third
+# variant, uniform routing (one iteration, c = 1/J: Gu & Tresp's proposal to drop routing),
+# trains beside them from the same seeds. `ci` shrinks the networks and the data so that three
+# seeds fit the time budget; its expanded runs take small batches (`expanded_batch_size`, with
+# `expanded_lr`) so that they reach a train accuracy above 0.9 in `expanded_epochs` epochs
+# (with batches of 64 they stopped near 0.5-0.75).
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", image_size=28, conv_channels=32, primary_types=4, primary_dim=8, digit_dim=16,
             decoder=(128, 256), iterations=3, epochs=3, batch_size=64, lr=2e-3, recon_weight=0.0005,
             train_subset=2200, seeds=3, probe_size=64, probe_every=16,
             expanded_subset=1200, expanded_epochs=4, expanded_conv_channels=16, expanded_primary_types=4,
-            expanded_primary_stride=3),
+            expanded_primary_stride=3, expanded_batch_size=16, expanded_lr=4e-3),
     full=dict(dataset="mnist", image_size=28, conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
               decoder=(512, 1024), iterations=3, epochs=10, batch_size=128, lr=1e-3, recon_weight=0.0005,
               train_subset=None, seeds=3, probe_size=500, probe_every=100,
               expanded_subset=None, expanded_epochs=5, expanded_conv_channels=256, expanded_primary_types=32,
-              expanded_primary_stride=2),
+              expanded_primary_stride=2, expanded_batch_size=128, expanded_lr=1e-3),
     # `full` is cut to fit one H100 in minutes: the chapter took about 7 (28x28 epochs 3.5 s with the
     # full gradient, 3.0 s detached; README "GPU use"); CAPSBOOK_PAPER_SCHEDULE=1 restores Table 1's
     # 100 epochs (and five seeds; capslib.bench projects about 53 minutes of training on one H100).
@@ -243,6 +247,66 @@ def polarization(c: torch.Tensor, high: float = 0.9, low: float = 0.1) -> dict:
             "frac_polarized": fh + fl}
 
 
+def relative_low(J: int, factor: float = 0.1) -> float:
+    """The "decided against" threshold ``factor / J``: a tenth of the uniform coupling ``1/J``
+    by default (chapter 4). A fixed 0.1 would be the uniform value itself when ``J = 10``."""
+    check_positive_int("J", J)
+    if not 0 < factor < 1:
+        raise ValueError(f"factor must lie in (0, 1); got {factor}")
+    return factor / J
+
+
+# ----------------------------------------------------------------------------- upstream gradient, per-vote gains
+
+def margin_upstream(u_hat: torch.Tensor, y: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0,
+                    vote_scale: float = 1.0):
+    """Votes ``alpha * u_hat`` and the margin loss's ``dL/dv`` *for that routing* (chapter 4).
+
+    The polarization knobs change the routing output ``v``, hence the loss and its gradient
+    ``dL/dv``: a study over ``lambda`` (``logit_scale``) or ``alpha`` (``vote_scale``) must
+    recompute it at every setting rather than reuse the one of ``lambda = alpha = 1``.
+
+    Returns:
+        ``(votes (B, I, J, D), grad_v (B, J, D))``, both detached.
+    """
+    from .ops import margin_loss
+
+    _check_votes(u_hat)
+    check_positive_int("iterations", iterations)
+    _check_scale(logit_scale)
+    _check_scale(vote_scale)
+    if y.dim() != 1 or y.shape[0] != u_hat.shape[0]:
+        raise ValueError(f"y must be (B,) = ({u_hat.shape[0]},) labels; got {tuple(y.shape)}")
+    votes = float(vote_scale) * u_hat.detach()
+    with torch.no_grad():
+        v, _ = scaled_routing(votes, iterations, logit_scale)
+    v = v.requires_grad_(True)
+    with torch.enable_grad():
+        (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), y), v)
+    return votes, gv.detach()
+
+
+def vote_gains(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0) -> dict:
+    """How the full gradient of each vote relates to its detached one (Gu & Tresp Eq. 5; chapter 4).
+
+    Eq. 5 writes the full gradient as ``C`` times the detached one. Per vote ``(b, i, m)`` with
+    a non-zero detached (direct) term this returns ``gain = (full . direct) / ||direct||^2``
+    (the ``C`` that vote would need), ``norm_ratio = ||full|| / ||direct||`` and the ``cosine``;
+    plus ``c`` (its coupling) and ``has_direct`` (a bool mask over all ``B * I * J`` votes; the
+    other tensors hold only the votes where it is True, in the same flat order).
+    """
+    direct, through = gradient_terms(u_hat, grad_v, iterations, logit_scale)
+    _, c = scaled_routing(u_hat.detach(), iterations, logit_scale)
+    full = (direct + through).flatten(0, 2)
+    d = direct.flatten(0, 2)
+    dn = d.norm(dim=-1)
+    has = dn > 0
+    full, d, dn = full[has], d[has], dn[has]
+    fn = full.norm(dim=-1)
+    return {"has_direct": has, "c": c.flatten()[has], "gain": (full * d).sum(-1) / dn ** 2,
+            "norm_ratio": fn / dn, "cosine": (full * d).sum(-1) / (fn * dn).clamp_min(1e-300)}
+
+
 # ----------------------------------------------------------------------------- on a model
 
 def _default_loss(recon_weight: float):
@@ -296,7 +360,9 @@ class CouplingProbe:
 
     Pass ``before_step=probe.before_step`` and ``on_epoch_end=probe.on_epoch_end``.
     Every ``every`` steps (and at step 0) it records ``step``, ``rel_diff``, ``cosine``,
-    ``entropy``, ``frac_high``, ``frac_low``; at each epoch end it appends one entry to
+    ``entropy``, ``frac_high`` (``c > 0.9``), ``frac_low`` (``c <`` :func:`relative_low`, a tenth
+    of the uniform ``1/J``); the measurement at each epoch end also closes the trace,
+    so its last point is the network after the last step. At each epoch end it appends one entry to
     ``by_epoch`` (the first entry, epoch 0, is the untrained network; call :meth:`start`
     first). The time its step-wise measurements take inside each epoch is kept in
     ``seconds_by_epoch``, so that training time can be told apart from probing time.
@@ -316,20 +382,26 @@ class CouplingProbe:
 
     def measure(self, model) -> dict:
         g = digit_gradients(model, self.x, self.y, recon_weight=self.recon_weight)
-        p = polarization(g["couplings"])
+        c = g["couplings"]
+        # thresholds relative to the uniform coupling 1/J (with J = 10, "c < 0.1" would be the uniform value)
+        p = polarization(c, high=0.9, low=relative_low(c.shape[-1]))
         return {"rel_diff": g["rel_diff"], "cosine": g["cosine"], "entropy": p["entropy"],
                 "frac_high": p["frac_high"], "frac_low": p["frac_low"]}
 
-    def _log(self, model, where: dict, key) -> None:
+    def _log(self, model, where: dict, key) -> dict:
         t0 = time.perf_counter()
         m = self.measure(model)
         where[key].append(self.step if key == "step" else len(where[key]))
         for k, val in m.items():
             where[k].append(val)
         self._secs += time.perf_counter() - t0
+        return m
+
+    def _traced(self) -> bool:
+        return bool(self.trace["step"]) and self.trace["step"][-1] == self.step
 
     def before_step(self, model, optimizer) -> None:
-        if self.step % self.every == 0:
+        if self.step % self.every == 0 and not self._traced():
             self._log(model, self.trace, "step")
         self.step += 1
 
@@ -337,8 +409,12 @@ class CouplingProbe:
         if not self.by_epoch["epoch"]:
             raise RuntimeError("call probe.start(model) before training so that epoch 0 is recorded")
         self.seconds_by_epoch.append(self._secs)  # probe time inside fit's timed loop
-        self._log(model, self.by_epoch, "epoch")
+        m = self._log(model, self.by_epoch, "epoch")
         self._secs = 0.0
+        if not self._traced():  # the same measurement closes the step trace (its last point is the trained net)
+            self.trace["step"].append(self.step)
+            for k, val in m.items():
+                self.trace[k].append(val)
         # kept in fit's history, so that a run resumed from its checkpoint still has them
         history["coupling_trace"] = {k: list(v) for k, v in self.trace.items()}
         history["coupling_by_epoch"] = {k: list(v) for k, v in self.by_epoch.items()}
@@ -483,4 +559,159 @@ def draw_graph(G, ax=None, title: str | None = None, font_size: float = 6.5):
     ax.set_axis_off()
     if title:
         ax.set_title(title)
+    return fig
+
+
+# ----------------------------------------------------------------------------- semantic graphs (Appx. C)
+
+def routing_trace(u_hat: torch.Tensor, iterations: int = 3, detach: bool = False):
+    """Dynamic routing that keeps each iteration's tensors under their names (chapter 4).
+
+    The same computation as :func:`scaled_routing` at ``logit_scale = 1`` (and so as
+    :func:`capslib.dynamic_routing`): ``B(t)``, ``c(t)``, ``s(t)``, ``v(t)`` for ``t = 1..K``,
+    with ``B(1) = 0``. :func:`semantic_graph` reads which of them autograd connects.
+
+    Returns:
+        ``(v (B, J, D), {name: tensor})``.
+    """
+    _check_votes(u_hat)
+    check_positive_int("iterations", iterations)
+    votes = u_hat.detach() if detach else u_hat
+    named = {}
+    b = u_hat.new_zeros(u_hat.shape[:3])
+    for t in range(1, iterations + 1):
+        last = t == iterations
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):  # detached: c is a constant
+            c = torch.softmax(b, dim=2)
+        named[f"B({t})"], named[f"c({t})"] = b, c
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not (detach and not last)):
+            s = torch.einsum("bij,bijd->bjd", c, u_hat if last else votes)
+            v = squash(s)
+        named[f"s({t})"], named[f"v({t})"] = s, v
+        if not last:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
+                b = b + torch.einsum("bijd,bjd->bij", votes, v)
+    return v, named
+
+
+def semantic_graph(named: dict, inputs: dict):
+    """Which named tensors feed which, read from autograd (chapter 4; Gu & Tresp Appx. C).
+
+    For every tensor in ``named`` that has a ``grad_fn``, walk ``next_functions`` backwards
+    until another named tensor's ``grad_fn`` or a leaf named in ``inputs`` is reached: that gives
+    an edge ``source -> tensor`` (a gradient can flow from the tensor back to the source).
+    A named tensor without ``grad_fn`` is a constant to autograd (attribute ``kind="constant"``):
+    no gradient reaches anything through it. Returns a :class:`networkx.DiGraph` with node
+    attribute ``kind`` (``"input"``, ``"tensor"``, ``"constant"``).
+    """
+    import networkx as nx
+
+    if not named:
+        raise ValueError("named must hold at least one tensor")
+    G = nx.DiGraph()
+    alive, owner = [], {}
+    for name, t in named.items():
+        check_tensor(name, t)
+        if t.grad_fn is not None:
+            alive.append(t.grad_fn)
+            owner[id(t.grad_fn)] = name
+            G.add_node(name, kind="tensor")
+        else:
+            G.add_node(name, kind="constant")
+    leaves = list(inputs.items())
+    for name in inputs:
+        G.add_node(name, kind="input")
+    for name, t in named.items():
+        if t.grad_fn is None:
+            continue
+        seen, stack = set(), [nxt for nxt, _ in t.grad_fn.next_functions if nxt is not None]
+        while stack:
+            fn = stack.pop()
+            alive.append(fn)
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if id(fn) in owner:
+                G.add_edge(owner[id(fn)], name)
+                continue
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                for leaf_name, leaf in leaves:
+                    if var is leaf:
+                        G.add_edge(leaf_name, name)
+                continue
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return G
+
+
+def coupling_gradient_edges(G, source: str = "û") -> list:
+    """Edges of :func:`semantic_graph`'s graph that lie on a path ``source -> c(t) -> ...``: the
+    road by which a gradient reaches the votes *through the couplings* (chapter 4)."""
+    import networkx as nx
+
+    on = set()
+    for c in (n for n in G if n.startswith("c(")):
+        if G.nodes[c]["kind"] == "constant" or not nx.has_path(G, source, c):
+            continue
+        up = nx.ancestors(G, c) | {c}
+        down = nx.descendants(G, c) | {c}
+        on |= {(a, b) for a, b in G.edges if (a in up and b in up) or (a in down and b in down)}
+    return sorted(on)
+
+
+def draw_semantic_graph(G, ax=None, title: str | None = None):
+    """Draw :func:`semantic_graph`'s graph of routing: one column per iteration (rows B, c, s, v),
+    the votes û drawn once in front of every column that reads them (the same tensor each time),
+    so that no edge crosses a column (chapter 4). Edges on a gradient road through the couplings
+    are orange; constants are drawn hollow with a dashed rim. Returns the matplotlib Figure."""
+    import matplotlib.pyplot as plt
+    import networkx as nx
+
+    rows = {"B": 3, "c": 2, "s": 1, "v": 0}
+    step = 1.6
+
+    def column(n):
+        return int(n[2:-1]) if n[0] in rows and n[1:2] == "(" else None
+
+    hot = set(coupling_gradient_edges(G)) if any(d["kind"] == "input" for _, d in G.nodes(data=True)) else set()
+    H, pos, hot_H = nx.DiGraph(), {}, set()
+    for n, d in G.nodes(data=True):
+        if d["kind"] != "input":
+            H.add_node(n, **d)
+            pos[n] = (step * column(n), rows[n[0]])
+    inputs = [n for n, d in G.nodes(data=True) if d["kind"] == "input"]
+    for a, b in G.edges:
+        if a in inputs:  # one copy of the input per column it feeds, just left of that column
+            t = column(b)
+            copy = f"{a} ({t})"
+            H.add_node(copy, kind="input", label=a)
+            pos[copy] = (step * t - 0.55 * step, 2.5)   # between the logit and coupling rows: clear of v -> B
+            H.add_edge(copy, b)
+            if (a, b) in hot:
+                hot_H.add((copy, b))
+        else:
+            H.add_edge(a, b)
+            if (a, b) in hot:
+                hot_H.add((a, b))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9.0, 3.8))
+    else:
+        fig = ax.figure
+    for color, group in (("#e67e22", [e for e in H.edges if e in hot_H]), ("#7f8c8d", [e for e in H.edges if e not in hot_H])):
+        if group:
+            nx.draw_networkx_edges(H, pos, edgelist=group, ax=ax, arrows=True, arrowsize=11, width=1.3,
+                                   edge_color=color, node_size=800)
+    colors = {"input": "#4c9f70", "tensor": "#aed6f1", "constant": "white"}
+    for kind, style in (("input", "solid"), ("tensor", "solid"), ("constant", "dashed")):
+        nodes = [n for n, d in H.nodes(data=True) if d["kind"] == kind]
+        if nodes:
+            coll = nx.draw_networkx_nodes(H, pos, nodelist=nodes, ax=ax, node_size=800 if kind != "input" else 500,
+                                          node_color=colors[kind], edgecolors="#333333", linewidths=1.0)
+            coll.set_linestyle(style)
+    nx.draw_networkx_labels(H, pos, labels={n: d.get("label", n) for n, d in H.nodes(data=True)}, ax=ax, font_size=10)
+    ax.set_axis_off()
+    xs = [x for x, _ in pos.values()]
+    ax.set(xlim=(step * 0.45 - 0.4, max(xs) + 0.4), ylim=(-0.45, 3.45))   # the same frame with or without û
+    if title:
+        ax.set_title(title, fontsize=10)
     return fig

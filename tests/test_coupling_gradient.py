@@ -100,7 +100,10 @@ def test_digit_gradients_and_probe():
         probe.before_step(net, None)
     history = {}
     probe.on_epoch_end(0, net, history)
-    assert probe.trace["step"] == [0, 2]
+    assert probe.trace["step"] == [0, 2, 3]   # the epoch-end measurement closes the trace
+    assert probe.trace["entropy"][-1] == probe.by_epoch["entropy"][-1]
+    probe.before_step(net, None)               # step 3 is already traced: not measured twice
+    assert probe.trace["step"] == [0, 2, 3] and probe.step == 4
     assert probe.by_epoch["epoch"] == [0, 1] and len(probe.seconds_by_epoch) == 1
     assert history["coupling_trace"] == probe.trace and history["coupling_by_epoch"] == probe.by_epoch
     assert history["probe_seconds"] == probe.seconds_by_epoch
@@ -138,3 +141,66 @@ def test_bad_inputs():
         cg.autograd_graph(torch.zeros(3))
     with pytest.raises(TypeError, match="DenseCaps"):
         cg.digit_gradients(torch.nn.Linear(2, 2), torch.rand(1, 2), torch.zeros(1, dtype=torch.long))
+
+
+def test_relative_low_threshold():
+    assert cg.relative_low(10) == pytest.approx(0.01) and cg.relative_low(4, 0.5) == pytest.approx(0.125)
+    uniform = torch.full((2, 3, 10), 0.1)
+    assert cg.polarization(uniform, low=cg.relative_low(10))["frac_low"] == 0.0
+    with pytest.raises(ValueError, match="factor"):
+        cg.relative_low(10, 1.5)
+
+
+def test_margin_upstream_is_the_loss_gradient_of_the_scaled_routing():
+    u, _ = _votes(B=3, I=5, J=4, D=3)
+    y = torch.tensor([0, 3, 1])
+    for lam, alpha in ((1.0, 1.0), (8.0, 1.0), (1.0, 3.0)):
+        votes, gv = cg.margin_upstream(u, y, 3, lam, alpha)
+        torch.testing.assert_close(votes, alpha * u)
+        v = cg.scaled_routing(votes, 3, lam)[0].detach().requires_grad_(True)
+        (ref,) = torch.autograd.grad(capslib.margin_loss(v.norm(dim=-1), y), v)
+        torch.testing.assert_close(gv, ref)
+    # a different lambda routes differently, so the upstream gradient differs
+    assert not torch.allclose(cg.margin_upstream(u, y, 3, 1.0)[1], cg.margin_upstream(u, y, 3, 8.0)[1])
+    with pytest.raises(ValueError, match="y must be"):
+        cg.margin_upstream(u, y[:2])
+
+
+def test_vote_gains_against_the_two_terms():
+    u, gv = _votes(B=2, I=6, J=4, D=3)
+    g = cg.vote_gains(u, gv, 3)
+    direct, through = cg.gradient_terms(u, gv, 3)
+    d, f = direct.flatten(0, 2), (direct + through).flatten(0, 2)
+    assert g["has_direct"].shape == (2 * 6 * 4,) and bool(g["has_direct"].all())
+    torch.testing.assert_close(g["gain"], (f * d).sum(-1) / (d * d).sum(-1))
+    torch.testing.assert_close(g["norm_ratio"], f.norm(dim=-1) / d.norm(dim=-1))
+    assert bool((g["cosine"].abs() <= 1 + 1e-12).all())
+    one = cg.vote_gains(u, gv, 1)                      # one iteration: full = detached, C = 1 everywhere
+    torch.testing.assert_close(one["gain"], torch.ones_like(one["gain"]))
+    gv0 = gv.clone(); gv0[:, 0] = 0                    # a parent with no gradient: its votes have no direct term
+    assert int(cg.vote_gains(u, gv0, 3)["has_direct"].sum()) == 2 * 6 * 3
+
+
+def test_routing_trace_and_semantic_graph():
+    u = torch.randn(2, 5, 3, 4, dtype=torch.float64, requires_grad=True)
+    for detach in (False, True):
+        v, named = cg.routing_trace(u, 3, detach=detach)
+        ref, c = capslib.dynamic_routing(u, 3, detach=detach)
+        torch.testing.assert_close(v, ref)
+        torch.testing.assert_close(named["c(3)"], c)
+        (g1,) = torch.autograd.grad(v.sum(), u)
+        (g2,) = torch.autograd.grad(ref.sum(), u)
+        torch.testing.assert_close(g1, g2)
+        G = cg.semantic_graph(named, {"û": u})
+        assert G.nodes["c(1)"]["kind"] == "constant" and G.nodes["û"]["kind"] == "input"
+        if detach:
+            assert sorted(G.edges) == [("s(3)", "v(3)"), ("û", "s(3)")] and not cg.coupling_gradient_edges(G)
+        else:
+            assert {("û", "B(2)"), ("v(1)", "B(2)"), ("B(2)", "c(2)"), ("c(3)", "s(3)"), ("B(2)", "B(3)")} <= set(G.edges)
+            road = cg.coupling_gradient_edges(G)
+            assert ("B(3)", "c(3)") in road and ("û", "s(3)") not in road
+    import matplotlib
+    matplotlib.use("Agg")
+    assert cg.draw_semantic_graph(G, title="t").axes
+    with pytest.raises(ValueError, match="at least one"):
+        cg.semantic_graph({}, {"û": u})

@@ -37,7 +37,7 @@ SIZES: dict[str, dict[str, dict]] = {
                    cnn_width=16,
                    compare_seeds=3, expand_shift=6, affine_rotation=20.0, affine_shear=(0.1, 0.2),
                    affine_scale=(0.8, 1.2), affine_shift=4.0, affnist_limit=10000,
-                   pitfall_train=800, pitfall_epochs=1, pitfall_batch_size=32, pitfall_seeds=3,
+                   pitfall_train=600, pitfall_epochs=1, pitfall_batch_size=32, pitfall_seeds=3,
                    pitfall_conv_channels=16, pitfall_primary_types=4, pitfall_decoder=(64,)),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                      decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,

@@ -355,32 +355,43 @@ def _sgd_epochs(P: torch.Tensor, n: int, step, *, epochs: int, lr: float, batch:
 @torch.no_grad()
 def train_weights(W: torch.Tensor, x: torch.Tensor, *, epochs: int, lr: float, batch: int, iterations: int = 3,
                   momentum: float = 0.9, decay: float = 0.9, l2: float = 1e-4,
-                  generator: torch.Generator | None = None, normalize: str = "outputs") -> dict[str, list[float]]:
+                  generator: torch.Generator | None = None, normalize: str = "outputs",
+                  sparsity: tuple[float, float] | None = None) -> dict[str, list[float]]:
     """Train ``W (I, J, Do, Di)`` in place by CD-1 with mixing by dynamic routing (Hauser, Algorithm 1;
     chapter 7): for each minibatch of ``x (N, I, Di)``, ``Delta W`` of :func:`cd1`, then SGD with
     momentum, an ``l2`` penalty on ``W`` and learning-rate decay per epoch. No labels, no back-propagation.
 
     Returns the per-epoch history: ``reconstruction`` (mean ``(x - x~)^2`` of the one-step chain),
     ``free_energy_gap`` (mean ``F(x) - F(x~)`` in nats, the CD-1 proxy; ``F = sum_j log(1 - ||y_j||)``
-    since ``1 - ||squash(z)|| = 1 / (1 + ||z||^2)``) and ``weight_norm`` (``||W||_F``).
+    since ``1 - ||squash(z)|| = 1 / (1 + ||z||^2)``), ``firing`` (mean ``P(h_j = 1 | x)`` over images and
+    capsules) and ``weight_norm`` (``||W||_F``). ``sparsity = (strength, target)`` adds ``strength *``
+    :func:`sparsity_term` with that target to every CD-1 update (chapter 7's control).
     """
     _check_w(W)
     _check_x(W, x)
-    history: dict[str, list[float]] = {"reconstruction": [], "free_energy_gap": [], "weight_norm": []}
-    sums = {"rec": 0.0, "gap": 0.0}
+    if sparsity is not None:
+        strength, target = sparsity
+        if strength < 0:
+            raise ValueError(f"strength must be >= 0; got {strength}")
+    history: dict[str, list[float]] = {"reconstruction": [], "free_energy_gap": [], "firing": [], "weight_norm": []}
+    sums = {"rec": 0.0, "gap": 0.0, "fire": 0.0}
 
     def step(idx):
         xb = x[idx]
         r = cd1(W, xb, iterations, normalize)
         sums["rec"] += ((xb - r.x_tilde) ** 2).mean().item() * len(xb)
         sums["gap"] += (torch.log1p(-r.y.norm(dim=-1)) - torch.log1p(-r.y_tilde.norm(dim=-1))).sum().item()
-        return r.delta
+        sums["fire"] += r.y.norm(dim=-1).mean().item() * len(xb)
+        if sparsity is None:
+            return r.delta
+        return r.delta + strength * sparsity_term(W, xb, r.c, target)
 
     def after_epoch():
         history["reconstruction"].append(sums["rec"] / len(x))
         history["free_energy_gap"].append(sums["gap"] / len(x))
+        history["firing"].append(sums["fire"] / len(x))
         history["weight_norm"].append(W.norm().item())
-        sums["rec"] = sums["gap"] = 0.0
+        sums["rec"] = sums["gap"] = sums["fire"] = 0.0
 
     _sgd_epochs(W, len(x), step, epochs=epochs, lr=lr, batch=batch, momentum=momentum, decay=decay, l2=l2,
                 generator=generator, after_epoch=after_epoch)
@@ -684,30 +695,7 @@ def train_weights_sparse(W: torch.Tensor, x: torch.Tensor, *, epochs: int, lr: f
                          l2: float = 1e-4, generator: torch.Generator | None = None) -> dict[str, list[float]]:
     """:func:`train_weights` with ``strength *`` :func:`sparsity_term` added to every CD-1 update (chapter 7's
     control: an explicit pressure on each expert to fire for only a share ``target`` of the images).
-
-    Returns the per-epoch history ``reconstruction``, ``firing`` (mean ``P(h_j = 1 | x)`` over images and
-    capsules) and ``weight_norm``.
+    Returns :func:`train_weights`'s history (``reconstruction``, ``firing``, ``weight_norm``, ...).
     """
-    _check_w(W)
-    _check_x(W, x)
-    if strength < 0:
-        raise ValueError(f"strength must be >= 0; got {strength}")
-    history: dict[str, list[float]] = {"reconstruction": [], "firing": [], "weight_norm": []}
-    sums = {"rec": 0.0, "fire": 0.0}
-
-    def step(idx):
-        xb = x[idx]
-        r = cd1(W, xb, iterations)
-        sums["rec"] += ((xb - r.x_tilde) ** 2).mean().item() * len(xb)
-        sums["fire"] += r.y.norm(dim=-1).mean().item() * len(xb)
-        return r.delta + strength * sparsity_term(W, xb, r.c, target)
-
-    def after_epoch():
-        history["reconstruction"].append(sums["rec"] / len(x))
-        history["firing"].append(sums["fire"] / len(x))
-        history["weight_norm"].append(W.norm().item())
-        sums["rec"] = sums["fire"] = 0.0
-
-    _sgd_epochs(W, len(x), step, epochs=epochs, lr=lr, batch=batch, momentum=momentum, decay=decay, l2=l2,
-                generator=generator, after_epoch=after_epoch)
-    return history
+    return train_weights(W, x, epochs=epochs, lr=lr, batch=batch, iterations=iterations, momentum=momentum,
+                         decay=decay, l2=l2, generator=generator, sparsity=(strength, target))

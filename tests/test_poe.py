@@ -193,7 +193,7 @@ def test_train_weights_is_algorithm_1_with_momentum_decay_and_l2():
     W = W0.clone()
     hist = poe.train_weights(W, x, iterations=2, generator=torch.Generator().manual_seed(9), **kw)
     torch.testing.assert_close(W, expected)
-    assert set(hist) == {"reconstruction", "free_energy_gap", "weight_norm"}
+    assert set(hist) == {"reconstruction", "free_energy_gap", "firing", "weight_norm"}
     assert all(len(v) == 3 for v in hist.values())
     assert hist["weight_norm"][-1] == pytest.approx(float(W.norm()))
     # what the history measures: one epoch of one minibatch at lr = 0 gives the first W's chain

@@ -41,12 +41,12 @@ profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", image_size=28, conv_channels=32, primary_types=4, primary_dim=8, digit_dim=16,
             decoder=(128, 256), iterations=3, epochs=3, batch_size=64, lr=2e-3, recon_weight=0.0005,
-            train_subset=2200, seeds=3, probe_size=64, probe_every=16,
+            train_subset=2200, seeds=3, probe_size=64, probe_every=16, cost_pairs=20,
             expanded_subset=1200, expanded_epochs=4, expanded_conv_channels=16, expanded_primary_types=4,
             expanded_primary_stride=3, expanded_batch_size=16, expanded_lr=4e-3),
     full=dict(dataset="mnist", image_size=28, conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
               decoder=(512, 1024), iterations=3, epochs=10, batch_size=128, lr=1e-3, recon_weight=0.0005,
-              train_subset=None, seeds=3, probe_size=500, probe_every=100,
+              train_subset=None, seeds=3, probe_size=500, probe_every=100, cost_pairs=20,
               expanded_subset=None, expanded_epochs=5, expanded_conv_channels=256, expanded_primary_types=32,
               expanded_primary_stride=2, expanded_batch_size=128, expanded_lr=1e-3),
     # `full` is cut to fit one H100 in minutes: the chapter took about 7 (28x28 epochs 3.5 s with the
@@ -352,6 +352,69 @@ def digit_gradients(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable |
     rel = float((gf - gd).norm() / gf.norm().clamp_min(1e-30))
     cos = float((gf * gd).sum() / (gf.norm() * gd.norm()).clamp_min(1e-30))
     return {"full": gf, "detached": gd, "rel_diff": rel, "cosine": cos, "couplings": couplings}
+
+
+def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None = None, pairs: int = 15,
+              warmup: int = 2, recon_weight: float = 0.0005) -> dict:
+    """The cost of one training step (forward and backward of the loss) of ``model`` with full and
+    with detached routing, on the same batch and the same weights (chapter 4).
+
+    Wall time: ``pairs`` interleaved pairs of steps, the order inside a pair alternating, after
+    ``warmup`` pairs that are not kept. A neighbour that slows the machine for a while slows both
+    members of a pair alike, so the per-pair ratio full / detached keeps the method's difference
+    where the epoch times of separate runs mix it with the machine's load. Work: the floating-point
+    operations of each step counted by ``torch.utils.flop_counter`` (matrix products and
+    convolutions only; elementwise work is not counted), which no load can change.
+
+    Returns ``seconds`` ({"full", "detached"}: per-pair lists), ``ratio`` (per-pair full /
+    detached), ``flops`` ({"full", "detached"}: per step). The model's ``detach`` flag, training
+    mode and ``.grad`` fields are left as they were.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    digit = getattr(model, "digit", None)
+    if digit is None or not hasattr(digit, "detach"):
+        raise TypeError("model must have a DenseCaps `digit` with a `detach` flag (a CapsNet)")
+    if not (isinstance(pairs, int) and pairs >= 2) or not (isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"pairs must be an int >= 2 and warmup an int >= 0; got {pairs!r}, {warmup!r}")
+    loss_fn = loss_fn or _default_loss(recon_weight)
+    params = [p for p in model.parameters() if p.requires_grad]
+    was, was_training = digit.detach, model.training
+    cuda = x.is_cuda
+
+    def step(flag: bool) -> float:
+        digit.detach = flag
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            loss, _ = loss_fn(model, x, y)
+            torch.autograd.grad(loss, params)
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        return time.perf_counter() - t0
+
+    seconds = {"full": [], "detached": []}
+    flops = {}
+    try:
+        model.train()
+        for k in range(warmup + pairs):
+            order = (False, True) if k % 2 == 0 else (True, False)
+            t = {flag: step(flag) for flag in order}
+            if k >= warmup:
+                seconds["full"].append(t[False])
+                seconds["detached"].append(t[True])
+        for name, flag in (("full", False), ("detached", True)):
+            digit.detach = flag
+            with FlopCounterMode(display=False) as counter, torch.enable_grad():
+                loss, _ = loss_fn(model, x, y)
+                torch.autograd.grad(loss, params)
+            flops[name] = counter.get_total_flops()
+    finally:
+        digit.detach = was
+        model.train(was_training)
+    ratio = [f / d for f, d in zip(seconds["full"], seconds["detached"])]
+    return {"seconds": seconds, "ratio": ratio, "flops": flops}
 
 
 class CouplingProbe:

@@ -72,3 +72,39 @@ def environment(profile: str, **extra: str) -> dict:
     env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_PROGRESS": "0", **extra}
     env.pop("MPLBACKEND", None)  # a non-inline backend (agg, set for scripts) would drop every figure
     return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m capslib.execute NOTEBOOK --output-dir DIR [--timeout S]``: execute one notebook
+    with :class:`SlicedClient` in this process's environment and write the executed copy into DIR
+    (what ``make spread`` runs per chapter; nbconvert's client stalled there)."""
+    import argparse
+    import sys
+
+    import nbformat
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    p = argparse.ArgumentParser(prog="python -m capslib.execute", description=main.__doc__.splitlines()[0])
+    p.add_argument("notebook", type=Path)
+    p.add_argument("--output-dir", type=Path, required=True)
+    p.add_argument("--timeout", type=int, default=None, help="seconds per cell (default: no limit)")
+    args = p.parse_args(argv)
+    if not args.notebook.is_file():
+        p.error(f"notebook {args.notebook} does not exist")
+    nb = nbformat.read(args.notebook, as_version=4)
+    try:
+        client(nb, args.notebook, timeout=args.timeout).execute()
+        code = 0
+    except CellTimeoutError as exc:
+        print(f"CellTimeoutError: {exc}", file=sys.stderr)
+        code = 1
+    except CellExecutionError as exc:
+        print(str(exc)[-2000:], file=sys.stderr)
+        code = 1
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, args.output_dir / args.notebook.name)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

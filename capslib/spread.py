@@ -68,8 +68,7 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> d
                 log.unlink(missing_ok=True)
                 t0 = time.perf_counter()
                 proc = subprocess.run(
-                    [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
-                     f"--ExecutePreprocessor.timeout={CELL_TIMEOUT}", "--ExecutePreprocessor.kernel_name=python3",
+                    [sys.executable, "-m", "capslib.execute", f"--timeout={CELL_TIMEOUT}",
                      "--output-dir", str(workdir / tag), str(nb)],
                     env=env, capture_output=True, text=True, cwd=ROOT)
                 seconds = time.perf_counter() - t0

@@ -163,7 +163,8 @@ def run_fingerprint(model: nn.Module, train: Split, optimizer: torch.optim.Optim
     opt = {"type": type(optimizer).__qualname__, **(groups[0] if len(groups) == 1 else
                                                      {f"group{i}": g for i, g in enumerate(groups)})}
     return {
-        "model": f"{type(model).__qualname__}:{_state_digest(model)}",
+        # the repr names what the state does not (routing iterations, a detach flag, a schedule)
+        "model": f"{type(model).__qualname__}:{_state_digest(model)}:{_sha(repr(model).encode())[:12]}",
         "optimizer": opt,
         "batch_size": batch_size,
         "lr_decay": _plain_value(lr_decay),

@@ -360,7 +360,7 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
     with detached routing, on the same batch and the same weights (chapter 4).
 
     Wall time: ``pairs`` interleaved pairs of steps, the order inside a pair alternating, after
-    ``warmup`` pairs that are not kept. A neighbour that slows the machine for a while slows both
+    ``warmup`` pairs that are not kept (:func:`capslib.bench.interleaved_seconds`). A neighbour that slows the machine for a while slows both
     members of a pair alike, so the per-pair ratio full / detached keeps the method's difference
     where the epoch times of separate runs mix it with the machine's load. Work: the floating-point
     operations of each step counted by ``torch.utils.flop_counter`` (matrix products and
@@ -377,38 +377,28 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
         raise TypeError("model must have a DenseCaps `digit` with a `detach` flag (a CapsNet)")
     if not (isinstance(pairs, int) and pairs >= 2) or not (isinstance(warmup, int) and warmup >= 0):
         raise ValueError(f"pairs must be an int >= 2 and warmup an int >= 0; got {pairs!r}, {warmup!r}")
+    from .bench import interleaved_seconds
+
     loss_fn = loss_fn or _default_loss(recon_weight)
     params = [p for p in model.parameters() if p.requires_grad]
     was, was_training = digit.detach, model.training
-    cuda = x.is_cuda
 
-    def step(flag: bool) -> float:
-        digit.detach = flag
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        t0 = time.perf_counter()
-        with torch.enable_grad():
-            loss, _ = loss_fn(model, x, y)
-            torch.autograd.grad(loss, params)
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        return time.perf_counter() - t0
+    def step(flag: bool):
+        def run():
+            digit.detach = flag
+            with torch.enable_grad():
+                loss, _ = loss_fn(model, x, y)
+                torch.autograd.grad(loss, params)
+        return run
 
-    seconds = {"full": [], "detached": []}
     flops = {}
     try:
         model.train()
-        for k in range(warmup + pairs):
-            order = (False, True) if k % 2 == 0 else (True, False)
-            t = {flag: step(flag) for flag in order}
-            if k >= warmup:
-                seconds["full"].append(t[False])
-                seconds["detached"].append(t[True])
+        seconds = interleaved_seconds({"full": step(False), "detached": step(True)}, rounds=pairs, warmup=warmup,
+                                      device=x.device if x.is_cuda else None)
         for name, flag in (("full", False), ("detached", True)):
-            digit.detach = flag
-            with FlopCounterMode(display=False) as counter, torch.enable_grad():
-                loss, _ = loss_fn(model, x, y)
-                torch.autograd.grad(loss, params)
+            with FlopCounterMode(display=False) as counter:
+                step(flag)()
             flops[name] = counter.get_total_flops()
     finally:
         digit.detach = was

@@ -51,11 +51,12 @@ profiles.register(
     # embedded images for 3 epochs. The 1/2/3-iteration comparison (time budget: its 9 trainings take
     # about 20 s on 2 cores) trains a lighter network (compare_sizes = A, B, C, D) for 1 epoch on
     # compare_subset images, once per seed sess.seed + k, k < compare_seeds. The 40x40 transfer test
-    # uses the first transfer_images test digits.
+    # uses the first transfer_images test digits. compare_schedule: the inverse-temperature schedule of
+    # the comparison ("constant": every iteration at final_lambda, so that lambda does not depend on T).
     ci=dict(dataset="embedded", A=16, B=4, C=4, D=4, iterations=3, train_subset=None, epochs=3, batch_size=32,
             lr=2e-3, lr_decay=None, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
             init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, compare_subset=1000,
-            compare_sizes=(8, 2, 2, 2), compare_seeds=3, hist_images=16,
+            compare_sizes=(8, 2, 2, 2), compare_seeds=3, compare_schedule="constant", cost_rounds=15, hist_images=16,
             affine_size=40, transfer_images=250,
             eval_batch=500, calibrate_images=256),
     # The paper's network (Sec. 5, Fig. 1): A = B = C = D = 32, K = 3, 3 routing iterations,
@@ -71,7 +72,7 @@ profiles.register(
     full=dict(dataset="mnist", A=32, B=32, C=32, D=32, iterations=3, train_subset=None, epochs=8, batch_size=32,
               lr=3e-3, lr_decay=0.96, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
               init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, compare_subset=None,
-              compare_sizes=(32, 32, 32, 32), compare_seeds=3, hist_images=64,
+              compare_sizes=(32, 32, 32, 32), compare_seeds=3, compare_schedule="constant", cost_rounds=15, hist_images=64,
               affine_size=40, transfer_images=None,
               eval_batch=64, calibrate_images=64),
     paper=dict(epochs=50, compare_epochs=5, compare_seeds=5),
@@ -80,17 +81,29 @@ profiles.register(
 
 # ----------------------------------------------------------------------------- routing
 
-def inverse_temperatures(iterations: int, final_lambda: float = FINAL_LAMBDA) -> list[float]:
+SCHEDULES = ("ramp", "constant")
+
+
+def inverse_temperatures(iterations: int, final_lambda: float = FINAL_LAMBDA, schedule: str = "ramp") -> list[float]:
     """The fixed schedule of the inverse temperature lambda over routing iterations (chapter 5).
 
     Procedure 1 of Hinton et al. 2018 says only that lambda "increases at each
-    iteration with a fixed schedule"; this book raises it linearly,
+    iteration with a fixed schedule"; this book's default (``schedule="ramp"``) raises it linearly,
     ``lambda_t = final_lambda * (t + 1) / iterations`` for ``t = 0 .. iterations - 1``,
-    so the last M-step always uses ``final_lambda`` whatever the number of iterations.
+    so the last M-step always uses ``final_lambda`` whatever the number of iterations. The ramp
+    makes every ``lambda_t`` depend on the number of iterations (with one iteration the only
+    M-step runs at ``final_lambda``, with three the first runs at a third of it), so a comparison
+    of iteration counts also compares schedules. ``schedule="constant"`` uses ``final_lambda`` in
+    every iteration: then iteration ``t`` is the same computation whatever the number of
+    iterations, and only their number differs (chapter 5's iteration study).
     """
     check_positive_int("iterations", iterations)
     if not final_lambda > 0:
         raise ValueError(f"final_lambda must be > 0; got {final_lambda}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    if schedule == "constant":
+        return [float(final_lambda)] * iterations
     return [final_lambda * (t + 1) / iterations for t in range(iterations)]
 
 
@@ -113,7 +126,7 @@ class EMState(NamedTuple):
 
 
 def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e_step, trace=None,
-        detach=False, normalize="mean"):
+        detach=False, normalize="mean", schedule="ramp"):
     """EM routing on votes laid out ``Vt (B, J, I, H)``; returns ``mu (B, J, H)``, ``a' (B, J)``,
     ``R (B, J, I)``.
 
@@ -137,7 +150,7 @@ def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e
     VV = torch.cat([V, V2], dim=-1)                            # one matrix product per step reads both
     a = a.unsqueeze(1)                                         # (B, 1, I)
     R = Vt.new_full((B, J, I), 1.0 / J)                        # Procedure 1, line 1
-    for t, lam in enumerate(inverse_temperatures(iterations, final_lambda)):
+    for t, lam in enumerate(inverse_temperatures(iterations, final_lambda, schedule)):
         # with detach, only the last M-step (and E-step) is recorded for back-propagation:
         # the assignments R it starts from are constants, as in Gu & Tresp's detached routing
         grad = not detach or t == iterations - 1
@@ -219,7 +232,7 @@ def _check_normalize(normalize):
 
 def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, iterations: int = 3,
                final_lambda: float = FINAL_LAMBDA, var_floor: float = VAR_FLOOR, eps: float = EPS,
-               detach: bool = False, normalize: str = NORMALIZE):
+               detach: bool = False, normalize: str = NORMALIZE, schedule: str = "ramp"):
     """EM routing of Hinton, Sabour & Frosst 2018, Procedure 1 (chapter 5, Eq. ch5-rprime to ch5-estep).
 
     ``R`` starts uniform (``1/J``); each of ``iterations`` rounds runs
@@ -237,7 +250,7 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
       ``log p_ij = -sum_h [(V_ijh - mu_jh)^2 / (2 sigma_jh^2) + log(2 pi sigma_jh^2) / 2]``,
       ``R_ij = softmax_j(log a'_j + log p_ij)``;
 
-    with ``lambda_t`` from :func:`inverse_temperatures`; every ``sum_i r'_ij`` that divides
+    with ``lambda_t`` from :func:`inverse_temperatures` (``schedule``: ``"ramp"`` or ``"constant"``); every ``sum_i r'_ij`` that divides
     is clamped to at least ``eps`` (below it, ``mu`` tends to the plain mean of the votes). The loop is arranged so that the vote tensor is only read by
     matrix products (see ``_em``); chapter 5 checks it against the plain formulas.
 
@@ -261,7 +274,8 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
     _check_em_inputs(votes, activations, iterations)
     _check_normalize(normalize)
     mu, act, R = _em(votes.transpose(1, 2).contiguous(), activations, beta_u, beta_a, iterations,
-                     final_lambda, var_floor, eps, final_e_step=True, detach=detach, normalize=normalize)
+                     final_lambda, var_floor, eps, final_e_step=True, detach=detach, normalize=normalize,
+                     schedule=schedule)
     return mu, act, R.transpose(1, 2)
 
 
@@ -395,6 +409,7 @@ class MatrixCaps(nn.Module):
         self.init_std = init_std
         self.beta_u = nn.Parameter(torch.zeros(out_types))
         self.beta_a = nn.Parameter(torch.zeros(out_types))
+        self.schedule = "ramp"   # of the inverse temperature (inverse_temperatures); EMCapsNet.schedule sets it
 
     def route(self, votes: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
         """``votes (N, J, I, 4, 4)`` (parent-major), ``a (N, I)`` -> ``mu (N, J, 4, 4)``, ``a' (N, J)``.
@@ -410,7 +425,7 @@ class MatrixCaps(nn.Module):
                 self._calibrate(Vt, a)
             mu, act, _ = _em(Vt, a, self.beta_u, self.beta_a, iterations or self.iterations,
                              self.final_lambda, VAR_FLOOR, EPS, final_e_step=False, detach=self.detach,
-                             normalize=self.normalize)
+                             normalize=self.normalize, schedule=getattr(self, "schedule", "ramp"))
         return mu.view(N, J, self.p, self.p), act
 
     @torch.no_grad()
@@ -426,7 +441,9 @@ class MatrixCaps(nn.Module):
         self.beta_a.zero_()
 
     def extra_repr(self) -> str:
-        return f"in_types={self.in_types}, out_types={self.out_types}, iterations={self.iterations}"
+        sched = getattr(self, "schedule", "ramp")
+        return (f"in_types={self.in_types}, out_types={self.out_types}, iterations={self.iterations}"
+                + (f", schedule={sched!r}" if sched != "ramp" else ""))
 
 
 class ConvCaps(MatrixCaps):
@@ -557,6 +574,18 @@ class EMCapsNet(nn.Module):
         check_positive_int("iterations", value)
         for layer in (self.conv_caps1, self.conv_caps2, self.class_caps):
             layer.iterations = value
+
+    @property
+    def schedule(self) -> str:
+        """The inverse-temperature schedule of every routed layer: ``"ramp"`` (default) or ``"constant"``."""
+        return getattr(self.class_caps, "schedule", "ramp")
+
+    @schedule.setter
+    def schedule(self, value: str) -> None:
+        if value not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}; got {value!r}")
+        for layer in (self.conv_caps1, self.conv_caps2, self.class_caps):
+            layer.schedule = value
 
     def capsules(self, x: torch.Tensor):
         """Every capsule layer's ``(pose, a)``, from primary to the last ConvCaps (for figures)."""

@@ -204,3 +204,20 @@ def test_routing_trace_and_semantic_graph():
     assert cg.draw_semantic_graph(G, title="t").axes
     with pytest.raises(ValueError, match="at least one"):
         cg.semantic_graph({}, {"û": u})
+
+
+def test_step_cost_times_both_kinds_of_step_and_counts_their_work():
+    torch.manual_seed(0)
+    net = models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,), iterations=3)
+    x, y = torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    net.eval()
+    out = cg.step_cost(net, x, y, pairs=3, warmup=1)
+    assert len(out["ratio"]) == 3 and all(r > 0 for r in out["ratio"])
+    assert len(out["seconds"]["full"]) == len(out["seconds"]["detached"]) == 3
+    # backward through the routing iterations is more matrix-product work than through the last one
+    assert out["flops"]["full"] > out["flops"]["detached"] > 0
+    assert net.digit.detach is False and not net.training and net.digit.W.grad is None
+    with pytest.raises(ValueError, match="pairs"):
+        cg.step_cost(net, x, y, pairs=1)
+    with pytest.raises(TypeError, match="CapsNet"):
+        cg.step_cost(torch.nn.Linear(2, 2), x, y)

@@ -11,11 +11,12 @@ from capslib import em
 
 
 def plain_em(V, a, beta_u, beta_a, iterations, final_lambda=em.FINAL_LAMBDA, var_floor=em.VAR_FLOOR, eps=em.EPS,
-             normalize=em.NORMALIZE):
-    """Procedure 1 written with the plain formulas (no centring, no moment tricks)."""
+             normalize=em.NORMALIZE, lambdas=None):
+    """Procedure 1 written with the plain formulas (no centring, no moment tricks); ``lambdas``: the
+    inverse temperature of each iteration (default: the book's ramp)."""
     B, I, J, H = V.shape
     R = torch.full((B, I, J), 1.0 / J, dtype=V.dtype)
-    for lam in em.inverse_temperatures(iterations, final_lambda):
+    for lam in lambdas or [final_lambda * (t + 1) / iterations for t in range(iterations)]:
         rp = R * a[:, :, None]
         S = rp.sum(1).clamp_min(eps)
         mu = (rp[..., None] * V).sum(1) / S[..., None]
@@ -153,6 +154,38 @@ def test_inverse_temperature_schedule():
     assert lams == pytest.approx([0.1, 0.2, 0.3])
     with pytest.raises(ValueError):
         em.inverse_temperatures(0)
+    # constant: iteration t uses the same lambda whatever the number of iterations
+    assert em.inverse_temperatures(3, 0.3, "constant") == [0.3, 0.3, 0.3]
+    assert em.inverse_temperatures(1, 0.3, "constant") == em.inverse_temperatures(1, 0.3)
+    with pytest.raises(ValueError, match="schedule"):
+        em.inverse_temperatures(3, 0.3, "cosine")
+
+
+def test_constant_schedule_routes_as_its_lambdas_say():
+    V, a, bu, ba = _inputs()
+    ramp = em.em_routing(V, a, bu, ba, 3, final_lambda=1.0)
+    const = em.em_routing(V, a, bu, ba, 3, final_lambda=1.0, schedule="constant")
+    # the first two M-steps differ (1/3, 2/3 against 1), so the result does
+    assert not torch.allclose(ramp[1], const[1])
+    # one iteration of either schedule is the same computation
+    for x, y in zip(em.em_routing(V, a, bu, ba, 1, final_lambda=1.0),
+                    em.em_routing(V, a, bu, ba, 1, final_lambda=1.0, schedule="constant")):
+        torch.testing.assert_close(x, y)
+    # against the plain formulas with lambda = final_lambda in every iteration
+    for x, y in zip(const, plain_em(V, a, bu, ba, 3, final_lambda=1.0, lambdas=[1.0, 1.0, 1.0])):
+        torch.testing.assert_close(x, y)
+    # the network's switch reaches every routed layer
+    torch.manual_seed(0)
+    net = em.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2)
+    x = torch.rand(2, 1, 28, 28)
+    net.eval()
+    base = net(x).activations
+    net.schedule = "constant"
+    assert all(layer.schedule == "constant" for layer in (net.conv_caps1, net.conv_caps2, net.class_caps))
+    assert "schedule='constant'" in repr(net)
+    assert not torch.allclose(base, net(x).activations)
+    with pytest.raises(ValueError, match="schedule"):
+        net.schedule = "warm"
 
 
 def test_bad_inputs():

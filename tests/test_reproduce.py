@@ -27,10 +27,23 @@ def test_bench_flops_grow_with_the_network():
 def test_bench_schedule_counts_image_epochs():
     s = profiles.settings("02_dynamic_routing", "full")
     work = bench.schedule("02")
-    assert work["02"] == s.epochs * bench.FULL_TRAIN
+    assert work["02"] == s.epochs * bench.FULL_TRAIN + 4 * s.ablation_seeds * s.ablation_epochs * bench.FULL_TRAIN
     assert work["02x"] == s.compare_seeds * s.expanded_epochs * bench.FULL_TRAIN
     with pytest.raises(KeyError, match="no schedule"):
         bench.schedule("99")
+
+
+def test_interleaved_seconds_rotates_the_order_and_keeps_only_the_timed_rounds():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    out = bench.interleaved_seconds(steps, rounds=3, warmup=1)
+    assert calls == list("abc" "bca" "cab" "abc")   # round r starts at name r mod 3; the first is warm-up
+    assert {k: len(v) for k, v in out.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(t >= 0 for v in out.values() for t in v)
+    with pytest.raises(ValueError, match="callables"):
+        bench.interleaved_seconds({})
+    with pytest.raises(ValueError, match="rounds"):
+        bench.interleaved_seconds(steps, rounds=0)
 
 
 def test_notebook_lookup():

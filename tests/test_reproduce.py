@@ -153,3 +153,21 @@ def test_kernel_environment_keeps_the_inline_backend(monkeypatch):
     assert "MPLBACKEND" not in env and env["CAPSBOOK_PROFILE"] == "full" and env["CAPSBOOK_SMOKE"] == "1"
     with pytest.raises(ValueError, match="profile must be 'ci' or 'full'"):
         execute.environment("gpu")
+
+
+def test_execute_main_writes_the_executed_copy_and_reports_a_failing_cell(tmp_path):
+    import nbformat
+
+    from capslib import execute
+
+    good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")]), good)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 / 0")]), bad)
+    out = tmp_path / "out"
+    assert execute.main([str(good), "--output-dir", str(out), "--timeout", "60"]) == 0
+    cell = nbformat.read(out / "good.ipynb", as_version=4).cells[0]
+    assert cell.outputs[0]["text"].strip() == "42"
+    assert execute.main([str(bad), "--output-dir", str(out), "--timeout", "60"]) == 1
+    assert (out / "bad.ipynb").exists()
+    with pytest.raises(SystemExit):
+        execute.main([str(tmp_path / "missing.ipynb"), "--output-dir", str(out)])

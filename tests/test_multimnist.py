@@ -1,0 +1,77 @@
+"""MultiMNIST (capslib.multimnist): the generator's promises, the two-label loss and the top-2 accuracy."""
+import pytest
+import torch
+
+from capslib import data, models, multimnist
+
+
+@pytest.fixture(scope="module")
+def source():
+    return data.embedded_mnist()["train"].subset(300)
+
+
+def test_generated_pairs_have_two_classes_shifted_within_range_and_overlaid_with_a_max(source):
+    s = multimnist.generate(source, 200, seed=3)
+    assert s.x.shape == (200, 3, 36, 36) and s.y.shape == (200,)
+    ab = multimnist.labels(s.y)
+    assert bool((ab[:, 0] != ab[:, 1]).all())                       # different classes, always
+    torch.testing.assert_close(s.x[:, 0], torch.maximum(s.x[:, 1], s.x[:, 2]))
+    # every digit keeps its ink (a shift of at most 4 px never pushes it off the 36 px canvas)
+    ink = s.x[:, 1:].sum(dim=(2, 3))
+    assert float(ink.min()) > 10
+    # each digit alone is one of the source's digits, moved by at most 4 px: its ink's bounding box lies in the
+    # canvas and its mass equals a source digit's mass
+    masses = source.x.sum(dim=(1, 2, 3))
+    for k in range(2):
+        m = s.x[:, 1 + k].sum(dim=(1, 2))
+        assert bool((masses[None, :] - m[:, None]).abs().min(dim=1).values.lt(1e-3).all())
+    # shifts are spread over the whole range: the centre of mass of the first digit moves by up to 4 px
+    rows = torch.arange(36.0)
+    com = (s.x[:, 1].sum(dim=2) * rows).sum(1) / s.x[:, 1].sum(dim=(1, 2))
+    assert float(com.max() - com.min()) > 6
+    # seeded
+    torch.testing.assert_close(multimnist.generate(source, 200, seed=3).x, s.x)
+    assert not torch.equal(multimnist.generate(source, 200, seed=4).x, s.x)
+
+
+def test_generate_rejects_bad_arguments(source):
+    with pytest.raises(ValueError, match="size"):
+        multimnist.generate(source, 5, size=30)
+    with pytest.raises(ValueError, match="shift"):
+        multimnist.generate(source, 5, shift=-1)
+    with pytest.raises(ValueError, match="n"):
+        multimnist.generate(source, 0)
+    one_class = data.Split(source.x[:4], torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="two classes"):
+        multimnist.generate(one_class, 5)
+
+
+def test_margin_loss_multi_matches_the_single_label_loss_and_counts_both_labels():
+    torch.manual_seed(0)
+    lengths = torch.rand(6, 10)
+    y = torch.randint(0, 10, (6,))
+    # with the same label twice it is the ordinary margin loss
+    torch.testing.assert_close(multimnist.margin_loss_multi(lengths, torch.stack([y, y], 1)),
+                               models.margin_loss(lengths, y))
+    perfect = torch.full((1, 10), 0.05)
+    perfect[0, [2, 7]] = 0.95
+    assert float(multimnist.margin_loss_multi(perfect, torch.tensor([[2, 7]]))) == 0.0
+    assert float(multimnist.margin_loss_multi(perfect, torch.tensor([[2, 3]]))) > 0.0
+
+
+def test_top2_accuracy_and_the_training_scores_count_both_labels():
+    lengths = torch.tensor([[0.9, 0.8, 0.1] + [0.0] * 7, [0.9, 0.1, 0.8] + [0.0] * 7])
+    y = torch.tensor([10 * 1 + 0, 10 * 0 + 1])            # image 1 right in either order, image 2 wrong
+    pred = multimnist.top2_pairs(lengths)
+    assert pred.tolist() == [1, 2]
+    torch.manual_seed(0)
+    net = models.CapsNet(image_size=36, conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,))
+    s = multimnist.generate(data.embedded_mnist()["train"].subset(100), 8, seed=0)
+    loss, scores = multimnist.loss(net, s.x, s.y)
+    assert loss.requires_grad and scores.shape == (8, 100)
+    right = multimnist.top2_pairs(net.encode(s.x[:, :1])[0].norm(dim=-1)) == multimnist.top2_pairs(
+        torch.nn.functional.one_hot(multimnist.labels(s.y), 10).sum(1).float())
+    assert (scores.argmax(1) == s.y).tolist() == right.tolist()
+    assert multimnist.accuracy(net, s) == pytest.approx(float(right.float().mean()))
+    with pytest.raises(ValueError, match="MultiMNIST batch"):
+        multimnist.overlay(s.x[:, :1])

@@ -180,7 +180,8 @@ def schedule(chapter: str) -> dict:
     if chapter == "02":
         s = profiles.settings("02_dynamic_routing", "full")
         ablation = 4 * s.ablation_seeds * s.ablation_epochs * (s.ablation_train or FULL_TRAIN)  # Table 1's 4 cells
-        return {"02": s.epochs * FULL_TRAIN + ablation, "02x": s.compare_seeds * s.expanded_epochs * FULL_TRAIN}
+        multi = s.multimnist_epochs * s.multimnist_train          # 36x36 pairs, counted at the 28x28 rate
+        return {"02": s.epochs * FULL_TRAIN + ablation + multi, "02x": s.compare_seeds * s.expanded_epochs * FULL_TRAIN}
     if chapter == "04":
         s = profiles.settings("04_coupling_gradient_proof", "full")
         n = s.train_subset or FULL_TRAIN

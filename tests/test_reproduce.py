@@ -27,7 +27,8 @@ def test_bench_flops_grow_with_the_network():
 def test_bench_schedule_counts_image_epochs():
     s = profiles.settings("02_dynamic_routing", "full")
     work = bench.schedule("02")
-    assert work["02"] == s.epochs * bench.FULL_TRAIN + 4 * s.ablation_seeds * s.ablation_epochs * bench.FULL_TRAIN
+    assert work["02"] == (s.epochs * bench.FULL_TRAIN + 4 * s.ablation_seeds * s.ablation_epochs * bench.FULL_TRAIN
+                          + s.multimnist_epochs * s.multimnist_train)
     assert work["02x"] == s.compare_seeds * s.expanded_epochs * bench.FULL_TRAIN
     with pytest.raises(KeyError, match="no schedule"):
         bench.schedule("99")

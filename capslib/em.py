@@ -84,6 +84,11 @@ profiles.register(
 SCHEDULES = ("ramp", "constant")
 
 
+def _check_schedule(schedule):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+
+
 def inverse_temperatures(iterations: int, final_lambda: float = FINAL_LAMBDA, schedule: str = "ramp") -> list[float]:
     """The fixed schedule of the inverse temperature lambda over routing iterations (chapter 5).
 
@@ -100,8 +105,7 @@ def inverse_temperatures(iterations: int, final_lambda: float = FINAL_LAMBDA, sc
     check_positive_int("iterations", iterations)
     if not final_lambda > 0:
         raise ValueError(f"final_lambda must be > 0; got {final_lambda}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+    _check_schedule(schedule)
     if schedule == "constant":
         return [float(final_lambda)] * iterations
     return [final_lambda * (t + 1) / iterations for t in range(iterations)]
@@ -397,7 +401,7 @@ class MatrixCaps(nn.Module):
 
     def __init__(self, in_types: int, out_types: int, weight_rows: int, iterations: int = 3, pose: int = 4,
                  final_lambda: float = FINAL_LAMBDA, init_std: float = W_INIT_STD, detach: bool = False,
-                 normalize: str = NORMALIZE):
+                 normalize: str = NORMALIZE, schedule: str = "ramp"):
         super().__init__()
         for name, v in [("in_types", in_types), ("out_types", out_types), ("iterations", iterations), ("pose", pose)]:
             check_positive_int(name, v)
@@ -409,7 +413,8 @@ class MatrixCaps(nn.Module):
         self.init_std = init_std
         self.beta_u = nn.Parameter(torch.zeros(out_types))
         self.beta_a = nn.Parameter(torch.zeros(out_types))
-        self.schedule = "ramp"   # of the inverse temperature (inverse_temperatures); EMCapsNet.schedule sets it
+        _check_schedule(schedule)
+        self.schedule = schedule   # of the inverse temperature (inverse_temperatures)
 
     def route(self, votes: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
         """``votes (N, J, I, 4, 4)`` (parent-major), ``a (N, I)`` -> ``mu (N, J, 4, 4)``, ``a' (N, J)``.
@@ -425,7 +430,7 @@ class MatrixCaps(nn.Module):
                 self._calibrate(Vt, a)
             mu, act, _ = _em(Vt, a, self.beta_u, self.beta_a, iterations or self.iterations,
                              self.final_lambda, VAR_FLOOR, EPS, final_e_step=False, detach=self.detach,
-                             normalize=self.normalize, schedule=getattr(self, "schedule", "ramp"))
+                             normalize=self.normalize, schedule=self.schedule)
         return mu.view(N, J, self.p, self.p), act
 
     @torch.no_grad()
@@ -441,9 +446,8 @@ class MatrixCaps(nn.Module):
         self.beta_a.zero_()
 
     def extra_repr(self) -> str:
-        sched = getattr(self, "schedule", "ramp")
         return (f"in_types={self.in_types}, out_types={self.out_types}, iterations={self.iterations}"
-                + (f", schedule={sched!r}" if sched != "ramp" else ""))
+                + (f", schedule={self.schedule!r}" if self.schedule != "ramp" else ""))
 
 
 class ConvCaps(MatrixCaps):
@@ -462,11 +466,11 @@ class ConvCaps(MatrixCaps):
 
     def __init__(self, in_types: int, out_types: int, kernel_size: int = 3, stride: int = 1, iterations: int = 3,
                  pose: int = 4, final_lambda: float = FINAL_LAMBDA, detach: bool = False, normalize: str = NORMALIZE,
-                 init_std: float = W_INIT_STD):
+                 init_std: float = W_INIT_STD, schedule: str = "ramp"):
         check_positive_int("kernel_size", kernel_size)
         check_positive_int("stride", stride)
         super().__init__(in_types, out_types, kernel_size * kernel_size * in_types, iterations, pose, final_lambda,
-                         init_std=init_std, detach=detach, normalize=normalize)
+                         init_std=init_std, detach=detach, normalize=normalize, schedule=schedule)
         self.k, self.s = kernel_size, stride
 
     def forward(self, pose: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
@@ -501,9 +505,9 @@ class ClassCaps(MatrixCaps):
 
     def __init__(self, in_types: int, classes: int = 10, iterations: int = 3, pose: int = 4,
                  final_lambda: float = FINAL_LAMBDA, coordinate_addition: bool = True, detach: bool = False,
-                 normalize: str = NORMALIZE, init_std: float = W_INIT_STD):
+                 normalize: str = NORMALIZE, init_std: float = W_INIT_STD, schedule: str = "ramp"):
         super().__init__(in_types, classes, in_types, iterations, pose, final_lambda, init_std=init_std,
-                         detach=detach, normalize=normalize)
+                         detach=detach, normalize=normalize, schedule=schedule)
         self.coordinate_addition = coordinate_addition
 
     def votes(self, pose: torch.Tensor, a: torch.Tensor):
@@ -543,7 +547,8 @@ class EMCapsNet(nn.Module):
     Class capsules (``classes``, shared transforms, coordinate addition). The paper's
     network has ``A = B = C = D = 32``. Any input side that leaves a grid of at least
     3x3 after ConvCaps1 works, since the class capsules share their transforms over
-    positions.
+    positions. ``schedule`` is the inverse temperature's schedule in every routed layer
+    (:func:`inverse_temperatures`).
 
     ``forward(x (B, C_in, H, W))`` -> :class:`EMOutput` ``(activations (B, J), poses (B, J, 4, 4))``.
     """
@@ -551,7 +556,8 @@ class EMCapsNet(nn.Module):
     def __init__(self, in_channels: int = 1, A: int = 32, B: int = 32, C: int = 32, D: int = 32, classes: int = 10,
                  iterations: int = 3, conv_kernel: int = 5, conv_stride: int = 2,
                  final_lambda: float = FINAL_LAMBDA, coordinate_addition: bool = True, detach: bool = False,
-                 normalize: str = NORMALIZE, batch_norm: bool = True, init_std: float = W_INIT_STD):
+                 normalize: str = NORMALIZE, batch_norm: bool = True, init_std: float = W_INIT_STD,
+                 schedule: str = "ramp"):
         super().__init__()
         for name, v in [("in_channels", in_channels), ("A", A), ("B", B), ("C", C), ("D", D),
                         ("classes", classes)]:
@@ -560,7 +566,7 @@ class EMCapsNet(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, A, conv_kernel, conv_stride)
         self.bn1 = nn.BatchNorm2d(A) if batch_norm else nn.Identity()
         self.primary = PrimaryMatrixCaps(A, B)
-        kw = dict(final_lambda=final_lambda, detach=detach, normalize=normalize, init_std=init_std)
+        kw = dict(final_lambda=final_lambda, detach=detach, normalize=normalize, init_std=init_std, schedule=schedule)
         self.conv_caps1 = ConvCaps(B, C, 3, 2, iterations, **kw)
         self.conv_caps2 = ConvCaps(C, D, 3, 1, iterations, **kw)
         self.class_caps = ClassCaps(D, classes, iterations, coordinate_addition=coordinate_addition, **kw)
@@ -574,18 +580,6 @@ class EMCapsNet(nn.Module):
         check_positive_int("iterations", value)
         for layer in (self.conv_caps1, self.conv_caps2, self.class_caps):
             layer.iterations = value
-
-    @property
-    def schedule(self) -> str:
-        """The inverse-temperature schedule of every routed layer: ``"ramp"`` (default) or ``"constant"``."""
-        return getattr(self.class_caps, "schedule", "ramp")
-
-    @schedule.setter
-    def schedule(self, value: str) -> None:
-        if value not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}; got {value!r}")
-        for layer in (self.conv_caps1, self.conv_caps2, self.class_caps):
-            layer.schedule = value
 
     def capsules(self, x: torch.Tensor):
         """Every capsule layer's ``(pose, a)``, from primary to the last ConvCaps (for figures)."""

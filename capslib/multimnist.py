@@ -19,6 +19,7 @@ import torch
 
 from .checks import check_positive_int, check_tensor
 from .data import Split
+from .ops import margin_loss
 
 SIZE = 36       # the paper's canvas: a 28 x 28 digit shifted by up to 4 px each way
 SHIFT = 4
@@ -86,20 +87,6 @@ def overlay(x: torch.Tensor) -> torch.Tensor:
     return x[:, :1]
 
 
-def margin_loss_multi(lengths: torch.Tensor, targets: torch.Tensor, m_pos: float = 0.9, m_neg: float = 0.1,
-                      lam: float = 0.5) -> torch.Tensor:
-    """The margin loss (Sabour et al. Eq. 4) with several present classes: ``targets (B, K)`` integer
-    labels, every one of them with ``T_k = 1``; summed over the classes, averaged over the batch."""
-    check_tensor("lengths", lengths, dims=2, floating=True)
-    check_tensor("targets", targets, dims=2)
-    if targets.shape[0] != lengths.shape[0]:
-        raise ValueError(f"targets must be (B, K) with B = {lengths.shape[0]}; got {tuple(targets.shape)}")
-    T = torch.zeros_like(lengths).scatter_(1, targets.long(), 1.0)
-    present = T * torch.relu(m_pos - lengths) ** 2
-    absent = lam * (1 - T) * torch.relu(lengths - m_neg) ** 2
-    return (present + absent).sum(dim=1).mean()
-
-
 def top2_pairs(lengths: torch.Tensor) -> torch.Tensor:
     """The two longest class capsules of each image as an unordered pair code ``10 * min + max``."""
     top = lengths.topk(2, dim=1).indices
@@ -112,7 +99,7 @@ def _unordered(y: torch.Tensor) -> torch.Tensor:
 
 
 def loss(model, x: torch.Tensor, y: torch.Tensor, recon_weight: float = 0.0005):
-    """``loss_fn`` for :func:`capslib.train.fit`: the multi-label margin loss plus ``recon_weight`` x
+    """``loss_fn`` for :func:`capslib.train.fit`: the margin loss with both classes present plus ``recon_weight`` x
     the squared error of reconstructing each digit alone from its own class capsule (the paper's
     segmentation). Returns ``(loss, scores)``; ``scores (B, 100)`` is one-hot on ``y``'s own code when
     the two longest capsules are the image's two classes (in either order) and on the predicted
@@ -122,7 +109,7 @@ def loss(model, x: torch.Tensor, y: torch.Tensor, recon_weight: float = 0.0005):
     v, _ = model.encode(inp)
     lengths = v.norm(dim=-1)
     ab = labels(y)
-    total = margin_loss_multi(lengths.float(), ab)
+    total = margin_loss(lengths.float(), ab)
     if recon_weight:
         for k in range(2):
             rec = model.decode(v, ab[:, k])

@@ -65,20 +65,22 @@ def margin_loss(
 
     Args:
         lengths: ``(B, J)`` capsule lengths in ``[0, 1)``.
-        target: ``(B,)`` integer class labels in ``[0, J)``.
+        target: ``(B,)`` integer class labels in ``[0, J)``, or ``(B, K)`` when every image holds
+            ``K`` objects (MultiMNIST, chapter 2): each listed class has ``T_k = 1``.
     """
     check_tensor("lengths", lengths, dims=2, floating=True)
-    check_tensor("target", target, dims=1)
+    check_tensor("target", target, min_dim=1)
     if target.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
         raise TypeError(f"target must hold integer class labels; got dtype {target.dtype}")
-    if target.shape[0] != lengths.shape[0]:
+    if target.dim() > 2 or target.shape[0] != lengths.shape[0]:
         raise ValueError(
-            f"target must be (B,) with B = {lengths.shape[0]} to match lengths (B, J); got {tuple(target.shape)}"
+            f"target must be (B,) or (B, K) with B = {lengths.shape[0]} to match lengths (B, J); "
+            f"got {tuple(target.shape)}"
         )
     J = lengths.shape[1]
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= J):
         raise ValueError(f"target labels must lie in [0, {J}); got range [{int(target.min())}, {int(target.max())}]")
-    t = torch.nn.functional.one_hot(target, J).to(lengths.dtype)
+    t = torch.zeros_like(lengths).scatter_(1, target.reshape(len(target), -1), 1.0)
     pos = t * torch.relu(m_pos - lengths) ** 2
     neg = lam * (1.0 - t) * torch.relu(lengths - m_neg) ** 2
     return (pos + neg).sum(dim=1).mean()

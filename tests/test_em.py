@@ -174,18 +174,20 @@ def test_constant_schedule_routes_as_its_lambdas_say():
     # against the plain formulas with lambda = final_lambda in every iteration
     for x, y in zip(const, plain_em(V, a, bu, ba, 3, final_lambda=1.0, lambdas=[1.0, 1.0, 1.0])):
         torch.testing.assert_close(x, y)
-    # the network's switch reaches every routed layer
+    # the network's argument reaches every routed layer
     torch.manual_seed(0)
     net = em.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2)
     x = torch.rand(2, 1, 28, 28)
     net.eval()
     base = net(x).activations
-    net.schedule = "constant"
-    assert all(layer.schedule == "constant" for layer in (net.conv_caps1, net.conv_caps2, net.class_caps))
-    assert "schedule='constant'" in repr(net)
-    assert not torch.allclose(base, net(x).activations)
+    torch.manual_seed(0)
+    const_net = em.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2, schedule="constant").eval()
+    assert all(layer.schedule == "constant" for layer in (const_net.conv_caps1, const_net.conv_caps2,
+                                                          const_net.class_caps))
+    assert "schedule='constant'" in repr(const_net) and "schedule" not in repr(net)
+    assert not torch.allclose(base, const_net(x).activations)
     with pytest.raises(ValueError, match="schedule"):
-        net.schedule = "warm"
+        em.EMCapsNet(A=4, B=2, C=2, D=2, schedule="warm")
 
 
 def test_bad_inputs():

@@ -46,17 +46,16 @@ def test_generate_rejects_bad_arguments(source):
         multimnist.generate(one_class, 5)
 
 
-def test_margin_loss_multi_matches_the_single_label_loss_and_counts_both_labels():
+def test_margin_loss_with_two_present_classes_matches_the_single_label_loss_and_counts_both():
     torch.manual_seed(0)
     lengths = torch.rand(6, 10)
     y = torch.randint(0, 10, (6,))
     # with the same label twice it is the ordinary margin loss
-    torch.testing.assert_close(multimnist.margin_loss_multi(lengths, torch.stack([y, y], 1)),
-                               models.margin_loss(lengths, y))
+    torch.testing.assert_close(models.margin_loss(lengths, torch.stack([y, y], 1)), models.margin_loss(lengths, y))
     perfect = torch.full((1, 10), 0.05)
     perfect[0, [2, 7]] = 0.95
-    assert float(multimnist.margin_loss_multi(perfect, torch.tensor([[2, 7]]))) == 0.0
-    assert float(multimnist.margin_loss_multi(perfect, torch.tensor([[2, 3]]))) > 0.0
+    assert float(models.margin_loss(perfect, torch.tensor([[2, 7]]))) == 0.0
+    assert float(models.margin_loss(perfect, torch.tensor([[2, 3]]))) > 0.0
 
 
 def test_top2_accuracy_and_the_training_scores_count_both_labels():

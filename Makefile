@@ -1,6 +1,7 @@
 # Capsule Networks, Derived and Reproduced
 #   make book       execute every chapter at this machine's profile, build _build/html
-#   make test       unit tests, every notebook under nbval at the ci profile, strict book build
+#   make test       unit tests and every notebook under nbval at the ci profile (two at a time),
+#                   strict book build, student edition check
 #   make test-browser  every page of the built book in headless Chromium at 1280 and 400 px (.ci/run)
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
 #   make publish    re-execute the committed notebooks in place from scratch (no resumed checkpoints)
@@ -23,12 +24,15 @@ LOCK := requirements.lock
 # (no CUDA packages); elsewhere pip takes the same version from the registry.
 TORCH_VERSION := 2.13.0
 NOTEBOOKS := $(sort $(wildcard book/[0-9]*.ipynb)) book/scoreboard.ipynb
-# make test fixes torch's thread count so that two executions record identical numbers
-TEST_THREADS ?= 2
+# make test runs the unit tests and the chapters' nbval executions TEST_JOBS at a time, each process
+# at TEST_THREADS torch threads (fixed, so that two executions record identical numbers); every
+# chapter's claims are measured at 1 and 2 threads (make spread)
+TEST_JOBS ?= 2
+TEST_THREADS ?= 1
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: bench bundle test-bundle book publish test test-browser unit notebooks build-strict reproduce smoke data assignments book-student student-check clean venv lock spread
+.PHONY: bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce smoke data assignments book-student student-check clean venv lock spread
 
 # The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
 # bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
@@ -64,12 +68,18 @@ book: $(STAMP)
 	  echo "built the HTML in $$(( $$(date +%s) - start )) s (log: _build/book-build.log)"
 	@echo "book: _build/html/index.html"
 
-test: unit notebooks build-strict student-check
+test: checks build-strict student-check
+
+# the unit tests, every chapter and the scoreboard under nbval, as a pool (capslib/testpool.py;
+# logs in _build/test-logs)
+checks: $(STAMP)
+	@$(PY) -m capslib.testpool --jobs $(TEST_JOBS) --threads $(TEST_THREADS)
 
 unit: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q tests || exit 1; \
 	  echo "unit tests: $$(( $$(date +%s) - start )) s"
 
+# make notebooks: the same nbval executions one after another (make test runs them through checks)
 # A notebook with a cell that times out (a kernel message lost by the client: seen twice in about
 # 40 executions of chapter 4 by nbconvert, kernel and client both idle) is executed once more;
 # any other failure fails at once.

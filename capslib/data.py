@@ -359,6 +359,29 @@ def affine(x: torch.Tensor, size: int = 40, seed: int = 0, rotation: float = 20.
     return F.grid_sample(canvas, grid, mode="bilinear", padding_mode="zeros", align_corners=False).clamp(0, 1)
 
 
+def rotate(x: torch.Tensor, degrees: float, seed: int | None = 0) -> torch.Tensor:
+    """Each image turned about its centre by ``degrees`` (counter-clockwise on screen), bilinear,
+    same size (corners that leave the frame are lost, new ones are zero). With ``seed`` (not None)
+    each image gets a random sign, +``degrees`` or -``degrees``, drawn from that seed, so that a set
+    turned by 40 holds digits at both +40 and -40; ``seed=None`` turns every image the same way."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be (N, C, H, W); got {tuple(x.shape)}")
+    if not math.isfinite(float(degrees)):
+        raise ValueError(f"degrees must be a finite number; got {degrees!r}")
+    N = x.shape[0]
+    ang = torch.full((N,), math.radians(float(degrees)), dtype=torch.float64)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        ang = ang * torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0).double()
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    # grid_sample maps output to input positions, so the grid holds the inverse rotation; with y
+    # pointing down the screen, the inverse of a counter-clockwise turn by a is [[c, -s], [s, c]]
+    theta = torch.zeros(N, 2, 3, dtype=torch.float64)
+    theta[:, 0, 0], theta[:, 0, 1], theta[:, 1, 0], theta[:, 1, 1] = cos, -sin, sin, cos
+    grid = F.affine_grid(theta.to(x.dtype).to(x.device), tuple(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False).clamp(0, 1)
+
+
 def pad_to(x: torch.Tensor, size: int = 40) -> torch.Tensor:
     """Centre images on a ``size x size`` canvas (the untransformed affNIST-style baseline)."""
     N, C, H, W = x.shape

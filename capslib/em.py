@@ -53,11 +53,16 @@ profiles.register(
     # compare_subset images, once per seed sess.seed + k, k < compare_seeds. The 40x40 transfer test
     # uses the first transfer_images test digits. compare_schedule: the inverse-temperature schedule of
     # the comparison ("constant": every iteration at final_lambda, so that lambda does not depend on T).
+    # Viewpoint test: the main network and viewpoint_seeds CNNs of matched size (SmallConvNet), each
+    # stopped at its first epoch (of at most viewpoint_epochs) whose validation accuracy reaches the EM
+    # network's, tested on the first viewpoint_images test digits turned by each of viewpoint_angles.
     ci=dict(dataset="embedded", A=16, B=4, C=4, D=4, iterations=3, train_subset=None, epochs=3, batch_size=32,
             lr=2e-3, lr_decay=None, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,
             init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, compare_subset=1000,
             compare_sizes=(8, 2, 2, 2), compare_seeds=3, compare_schedule="constant", cost_rounds=15, hist_images=16,
             affine_size=40, transfer_images=250,
+            viewpoint_angles=(0, 20, 40, 60), viewpoint_images=500, viewpoint_seeds=3, viewpoint_epochs=10,
+            viewpoint_lr=3e-3,
             eval_batch=500, calibrate_images=256),
     # The paper's network (Sec. 5, Fig. 1): A = B = C = D = 32, K = 3, 3 routing iterations,
     # spread loss with the margin raised linearly from 0.2 to 0.9, Adam; on full MNIST here
@@ -74,6 +79,8 @@ profiles.register(
               init_std=W_INIT_STD, compare_iterations=(1, 2, 3), compare_epochs=1, compare_subset=None,
               compare_sizes=(32, 32, 32, 32), compare_seeds=3, compare_schedule="constant", cost_rounds=15, hist_images=64,
               affine_size=40, transfer_images=None,
+              viewpoint_angles=(0, 20, 40, 60), viewpoint_images=None, viewpoint_seeds=3, viewpoint_epochs=10,
+              viewpoint_lr=3e-3,
               eval_batch=64, calibrate_images=64),
     paper=dict(epochs=50, compare_epochs=5, compare_seeds=5),
 )
@@ -611,3 +618,49 @@ class EMCapsNet(nn.Module):
         pose, a = self.capsules(x)[-1]
         mu, act = self.class_caps(pose, a)
         return EMOutput(act, mu)
+
+
+# ----------------------------------------------------------------------------- viewpoint baseline
+
+class SmallConvNet(nn.Module):
+    """The CNN baseline of chapter 5's viewpoint test, sized by one ``width``: Conv 5x5 stride 2
+    (``width`` channels, ReLU) -> Conv 3x3 stride 2 (``2 width``, ReLU) -> one linear layer to the
+    classes. With the EM network's own first layer and stride, its size is set by
+    :func:`matched_width` to the EM network's parameter count (the paper compared capsules with a
+    CNN baseline; here the two are matched in size so that capacity is not the difference).
+
+    ``forward(x (B, C_in, H, W))`` -> class scores ``(B, classes)``; any side of at least 11 pixels works
+    (global average pooling before the linear layer)."""
+
+    def __init__(self, width: int, in_channels: int = 1, classes: int = 10):
+        super().__init__()
+        for name, v in [("width", width), ("in_channels", in_channels), ("classes", classes)]:
+            check_positive_int(name, v)
+        self.in_channels = in_channels
+        self.features = nn.Sequential(nn.Conv2d(in_channels, width, 5, 2), nn.ReLU(),
+                                      nn.Conv2d(width, 2 * width, 3, 2), nn.ReLU(),
+                                      nn.Conv2d(2 * width, 4 * width, 3, 1), nn.ReLU())
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x, dims=4, floating=True, shape_doc="(B, C, H, W)")
+        if x.shape[1] != self.in_channels:
+            raise ValueError(f"x must be (B, {self.in_channels}, H, W); got {tuple(x.shape)}")
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def matched_width(target_params: int, in_channels: int = 1, classes: int = 10) -> int:
+    """The ``width`` of :class:`SmallConvNet` whose parameter count is nearest ``target_params``
+    (counted on built networks; the count grows with the width, so the search stops past the target)."""
+    check_positive_int("target_params", target_params)
+
+    def count(w):
+        return sum(p.numel() for p in SmallConvNet(w, in_channels, classes).parameters())
+
+    w, below = 1, count(1)
+    while below < target_params:
+        above = count(w + 1)
+        if above >= target_params:
+            return w if target_params - below <= above - target_params else w + 1
+        w, below = w + 1, above
+    return w

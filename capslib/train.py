@@ -279,6 +279,7 @@ def fit(
     checkpoint: str | Path | None = None,
     before_step: Callable | None = None,
     on_epoch_end: Callable | None = None,
+    stop_when: Callable | None = None,
     predict: Callable | None = None,
     amp: bool | None = None,
     seed: int | None = None,
@@ -300,6 +301,10 @@ def fit(
             step (gradient surgery, e.g. chapter 6's sensitivity regulariser).
         on_epoch_end: ``on_epoch_end(epoch, model, history)`` after each epoch; may add
             its own lists to ``history`` (they are saved in the checkpoint).
+        stop_when: ``stop_when(history) -> bool``, asked after each epoch (once its checkpoint is
+            written) and after a resume: True ends the run before ``epochs`` (e.g. a baseline trained
+            until its validation accuracy reaches a target). A resumed history that already satisfies
+            it returns at once; one that does not trains on.
         amp: bf16 autocast on CUDA (default: on for CUDA).
         eval_batch_size: images per forward pass when ``val`` is scored after each epoch.
         compile: train through ``torch.compile(model, backend=compile_backend)`` (default: when
@@ -362,6 +367,8 @@ def fit(
                       f"training epochs {start + 1}-{epochs}")
             elif start >= epochs:
                 print(f"loaded {source.name}: {start} epochs already trained")
+            elif stop_when is not None and stop_when(history):
+                return history
             else:
                 print(f"resuming {source.name} at epoch {start + 1}/{epochs} (epochs 1-{start} trained earlier)")
     # a time limit stops only runs that keep a checkpoint (nothing trained is lost)
@@ -432,6 +439,8 @@ def fit(
                 raise TimeLimitReached(
                     f"{desc}: stopped after epoch {epoch + 1}/{epochs}, CAPSBOOK_TIME_LIMIT={limit:g} s reached; "
                     f"checkpoint {Path(checkpoint).name} written: run again to resume")
+        if stop_when is not None and stop_when(history):
+            break
     return history
 
 

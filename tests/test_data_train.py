@@ -419,3 +419,44 @@ def test_time_limit_stops_at_an_epoch_boundary_and_resumes_to_the_same_weights(t
     monkeypatch.setenv("CAPSBOOK_TIME_LIMIT", "soon")
     with pytest.raises(ValueError, match="CAPSBOOK_TIME_LIMIT must be a number of seconds"):
         train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=tmp_path / "x.pt", progress=False)
+
+
+def test_stop_when_ends_a_run_early_and_a_resume_honours_it(tmp_path, capsys):
+    d = data.embedded_mnist()["train"].subset(64)
+    ck = tmp_path / "early.pt"
+    two = lambda h: len(h["loss"]) >= 2   # noqa: E731
+    h = train.fit(_tiny(), d, _loss, epochs=5, batch_size=16, checkpoint=ck, stop_when=two, progress=False)
+    assert len(h["loss"]) == 2 and train.load_checkpoint(ck)["epoch"] == 2
+    capsys.readouterr()
+    # the same condition on resume: nothing trains and nothing is printed
+    again = train.fit(_tiny(), d, _loss, epochs=5, batch_size=16, checkpoint=ck, stop_when=two, progress=False)
+    assert len(again["loss"]) == 2 and capsys.readouterr().out == ""
+    # a condition the saved run does not meet yet: it trains on, to the same weights as a straight 3-epoch run
+    resumed = _tiny()
+    h3 = train.fit(resumed, d, _loss, epochs=5, batch_size=16, checkpoint=ck, stop_when=lambda h: len(h["loss"]) >= 3,
+                   progress=False)
+    straight = _tiny()
+    train.fit(straight, d, _loss, epochs=3, batch_size=16, progress=False)
+    assert len(h3["loss"]) == 3
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+def test_rotate_turns_counter_clockwise_about_the_centre_and_draws_signs_from_the_seed():
+    img = torch.zeros(1, 1, 28, 28)
+    img[0, 0, 14, 20] = 1.0   # 6.5 pixels right of the centre (13.5, 13.5) and 0.5 below it
+    assert divmod(int(data.rotate(img, 90, seed=None)[0, 0].argmax()), 28) == (7, 14)    # now 6.5 above it
+    assert divmod(int(data.rotate(img, -90, seed=None)[0, 0].argmax()), 28) == (20, 13)  # now 6.5 below it
+    x = data.embedded_mnist()["test"].x[:64]
+    torch.testing.assert_close(data.rotate(x, 0), x, atol=1e-5, rtol=0)
+    a, b = data.rotate(x, 30, seed=1), data.rotate(x, 30, seed=1)
+    assert torch.equal(a, b)
+    plus, minus = data.rotate(x, 30, seed=None), data.rotate(x, -30, seed=None)
+    each = [(torch.equal(a[i], plus[i]), torch.equal(a[i], minus[i])) for i in range(len(x))]
+    assert all(p != m for p, m in each) and 10 < sum(p for p, _ in each) < 54   # both signs present
+    # a centred digit keeps most of its ink under a 30 degree turn
+    assert (a.sum(dim=(1, 2, 3)) / x.sum(dim=(1, 2, 3))).min() > 0.9
+    with pytest.raises(ValueError, match="x must be"):
+        data.rotate(x[0], 10)
+    with pytest.raises(ValueError, match="degrees must be a finite number"):
+        data.rotate(x, float("nan"))

@@ -279,3 +279,18 @@ def test_routing_stays_float32_under_bf16_autocast():
     assert out.activations.dtype == torch.float32 and torch.isfinite(out.activations).all()
     # only the votes' matmuls ran in bf16, so the activations stay close to the float32 ones
     assert float((out.activations - ref.activations).abs().max()) < 0.1
+
+
+def test_matched_cnn_is_the_nearest_in_parameters_and_refuses_bad_input():
+    from capslib import models
+    target = models.count_parameters(em.EMCapsNet(A=16, B=4, C=4, D=4))
+    w = em.matched_width(target)
+    count = lambda k: models.count_parameters(em.SmallConvNet(k))   # noqa: E731
+    assert abs(count(w) - target) <= min(abs(count(w - 1) - target), abs(count(w + 1) - target))
+    assert em.matched_width(1) == 1
+    for side in (28, 40):
+        assert em.SmallConvNet(w)(torch.rand(3, 1, side, side)).shape == (3, 10)
+    with pytest.raises(ValueError, match=r"x must be \(B, 1, H, W\)"):
+        em.SmallConvNet(w)(torch.rand(3, 2, 28, 28))
+    with pytest.raises(ValueError, match="width"):
+        em.SmallConvNet(0)

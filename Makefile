@@ -32,7 +32,7 @@ TEST_THREADS ?= 1
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce smoke data assignments book-student student-check clean venv lock spread
+.PHONY: bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce smoke data assignments book-student student-check compare-student clean venv lock spread
 
 # The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
 # bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
@@ -68,7 +68,11 @@ book: $(STAMP)
 	  echo "built the HTML in $$(( $$(date +%s) - start )) s (log: _build/book-build.log)"
 	@echo "book: _build/html/index.html"
 
-test: checks build-strict student-check
+# the two HTML builds (the strict one and the student edition) read the committed notebooks and write
+# to separate folders, so they run side by side once the pool is done
+test: checks
+	@$(MAKE) --no-print-directory -j2 build-strict book-student
+	@$(MAKE) --no-print-directory compare-student
 
 # the unit tests, every chapter and the scoreboard under nbval, as a pool (capslib/testpool.py;
 # logs in _build/test-logs)
@@ -169,6 +173,9 @@ book-student: $(STAMP)
 
 # every solution's text is in the book built by build-strict and none is in the student edition
 student-check: build-strict book-student
+	@$(MAKE) --no-print-directory compare-student
+
+compare-student: $(STAMP)
 	$(PY) -m capslib.grading check-student --normal _build/html --student _build/student/_build/html \
 	  book/*.ipynb book/*.md
 

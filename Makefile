@@ -23,7 +23,6 @@ LOCK := requirements.lock
 # The torch the lock pins: this machine kind's pip configuration offers a CPU build of it
 # (no CUDA packages); elsewhere pip takes the same version from the registry.
 TORCH_VERSION := 2.13.0
-NOTEBOOKS := $(sort $(wildcard book/[0-9]*.ipynb)) book/scoreboard.ipynb
 # make test runs the unit tests and the chapters' nbval executions TEST_JOBS at a time, each process
 # at TEST_THREADS torch threads (fixed, so that two executions record identical numbers); every
 # chapter's claims are measured at 1 and 2 threads (make spread)
@@ -83,22 +82,11 @@ unit: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q tests || exit 1; \
 	  echo "unit tests: $$(( $$(date +%s) - start )) s"
 
-# make notebooks: the same nbval executions one after another (make test runs them through checks)
-# A notebook with a cell that times out (a kernel message lost by the client: seen twice in about
-# 40 executions of chapter 4 by nbconvert, kernel and client both idle) is executed once more;
-# any other failure fails at once.
+# make notebooks: the same nbval executions one after another, through the same runner as make test
+# (a chapter whose cell hits nbval's timeout is executed once more; any other failure counts at once)
+CHAPTER_NUMS := $(shell ls book/[0-9][0-9]_*.ipynb | xargs -n1 basename | cut -c1-2)
 notebooks: $(STAMP)
-	@mkdir -p _build; for nb in $(NOTEBOOKS); do \
-	  start=$$(date +%s); \
-	  for try in 1 2; do \
-	    CAPSBOOK_PROFILE=ci CAPSBOOK_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -p no:cacheprovider --nbval-lax \
-	      --nbval-current-env --nbval-cell-timeout=300 "$$nb" 2>&1 | tee _build/nbval.log; rc=$${PIPESTATUS[0]}; \
-	    if [ $$rc -eq 0 ] || [ $$try -eq 2 ] || ! grep -q "Timeout of" _build/nbval.log; then break; fi; \
-	    echo "nbval $$nb: a cell timed out; executing the notebook once more"; \
-	  done; \
-	  [ $$rc -eq 0 ] || exit 1; \
-	  echo "nbval $$nb: $$(( $$(date +%s) - start )) s"; \
-	done
+	@$(PY) -m capslib.testpool --jobs 1 --threads $(TEST_THREADS) $(CHAPTER_NUMS) scoreboard
 
 build-strict: $(STAMP)
 	@start=$$(date +%s); $(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going || exit 1; \

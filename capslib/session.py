@@ -68,7 +68,31 @@ def retina_figures() -> bool:
     from matplotlib_inline.backend_inline import set_matplotlib_formats
 
     set_matplotlib_formats("retina")
+    from matplotlib.figure import Figure
+
+    png = shell.display_formatter.formatters["image/png"]
+    retina = png.lookup_by_type(Figure)
+    if not getattr(retina, "measures_text", False):
+        png.for_type(Figure, _measuring(retina))
     return True
+
+
+def _measuring(retina):
+    """The PNG formatter ``retina`` with, in the output's metadata, how large the figure's smallest
+    text appears in the book's column (``capsbook``: see :func:`capslib.viz.text_on_page`);
+    ``tests/test_outputs.py`` holds every committed figure to ``viz.MIN_TEXT_PX``."""
+    from . import viz
+
+    def png(fig):
+        info = viz.text_on_page(fig)
+        out = retina(fig)
+        if out is None:
+            return None
+        data, meta = out if isinstance(out, tuple) else (out, {})
+        return data, {**(meta or {}), "capsbook": info}
+
+    png.measures_text = True
+    return png
 
 
 def setup(seed: int | None = None, device: str | torch.device | None = None, quiet: bool = False) -> Session:

@@ -7,6 +7,57 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+# The page a figure is drawn for. At a 1280-px window sphinx-book-theme's text column is 688 CSS px
+# wide; a figure wider than that is scaled down to it, its text with it. The smallest text a reader
+# is asked to read there is 9 pt, which CSS draws 12 px high (1 pt = 4/3 px). A figure at
+# ``FIGURE_DPI`` draws an ``s``-pt font ``s * FIGURE_DPI / 72`` px high before any scaling.
+COLUMN_PX = 688
+MIN_TEXT_PX = 12.0
+FIGURE_DPI = 100
+PAD_INCHES = 0.1          # savefig's pad around the tight bounding box (the inline backend's setting)
+COLUMN_IN = COLUMN_PX / FIGURE_DPI   # a figure this wide (in inches) fills the column unscaled
+
+
+def text_on_page(fig, dpi: float = FIGURE_DPI, column_px: float = COLUMN_PX) -> dict:
+    """How large the figure's smallest text appears in the book's column.
+
+    The figure is drawn once as the inline backend saves it (tight bounding box); every text that
+    is actually drawn (visible, not empty: titles, labels, tick labels, legends, annotations) is
+    collected. Returns ``width_px`` (the figure's width on the page before scaling), ``scale``
+    (``min(1, column_px / width_px)``), ``smallest_px`` (the smallest drawn text's height on the
+    page in CSS px, None for a figure without text) and ``smallest_text`` (that text)."""
+    from matplotlib.text import Text
+
+    if not dpi > 0 or not column_px > 0:
+        raise ValueError(f"dpi and column_px must be positive; got dpi={dpi}, column_px={column_px}")
+    drawn: list = []
+    original = Text.draw
+
+    def recording(self, renderer):
+        if self.get_visible() and self.get_text().strip():
+            drawn.append(self)
+        return original(self, renderer)
+
+    if not hasattr(fig.canvas, "get_renderer"):   # a bare Figure(): draw it with Agg, as the inline backend does
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
+    Text.draw = recording
+    try:
+        fig.canvas.draw()
+    finally:
+        Text.draw = original
+    renderer = fig.canvas.get_renderer()
+    box = fig.get_tightbbox(renderer)
+    width_px = (box.width + 2 * PAD_INCHES) * dpi
+    scale = min(1.0, column_px / width_px)
+    info = {"width_px": round(float(width_px), 1), "scale": round(float(scale), 4), "smallest_px": None, "smallest_text": None}
+    if drawn:
+        small = min(drawn, key=lambda t: t.get_fontsize())
+        info["smallest_px"] = round(float(small.get_fontsize() * dpi / 72 * scale), 2)
+        info["smallest_text"] = small.get_text()[:60]
+    return info
+
 
 def _np(t):
     return t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
@@ -29,7 +80,8 @@ def image_grid(images, nrow: int | None = None, titles=None, title: str | None =
     """Show images ``(N, C, H, W)`` or ``(R, K, C, H, W)`` (a grid of R rows of K).
 
     Without ``titles`` the grid is one tiled image (fast for hundreds of digits);
-    with ``titles`` each image gets its own small axis and caption."""
+    with ``titles`` each image gets its own small axis and caption. Each image is ``size`` inches
+    wide, less where the row would be wider than the column (its title stays legible there)."""
     a = _np(images)
     if a.ndim == 5:
         rows, ncol = a.shape[:2]
@@ -37,6 +89,7 @@ def image_grid(images, nrow: int | None = None, titles=None, title: str | None =
     else:
         ncol = nrow or min(len(a), 10)
         rows = math.ceil(len(a) / ncol)
+    size = min(size, (COLUMN_IN - 0.2) / ncol)
     if titles is None:
         fig, ax = plt.subplots(figsize=(size * ncol, size * rows + (0.4 if title else 0)))
         ax.imshow(tile(a, ncol, fill=vmax if vmax is not None else float(a.max())), cmap=cmap, vmin=vmin, vmax=vmax)
@@ -50,7 +103,7 @@ def image_grid(images, nrow: int | None = None, titles=None, title: str | None =
                 img = img[0] if img.shape[0] == 1 else np.transpose(img, (1, 2, 0))
                 ax.imshow(img, cmap=cmap, vmin=vmin, vmax=vmax)
                 if k < len(titles):
-                    ax.set_title(str(titles[k]), fontsize=8)
+                    ax.set_title(str(titles[k]), fontsize=10)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -61,7 +114,7 @@ MAX_TICKS = 8  # labelled rows per heatmap axis (more overlap at the book's colu
 
 
 def heatmap_grid(mats, titles, xlabel: str, ylabel: str, cbar_label: str, vmax: float | None = 1.0,
-                 per_row: int = 3, suptitle: str | None = None, panel_width: float = 2.4,
+                 per_row: int = 3, suptitle: str | None = None, panel_width: float = 1.95,
                  panel_height: float = 3.6, xticklabels="auto", vmin: float = 0.0, cmap: str = "viridis"):
     """Heatmaps of 2-D arrays, at most ``per_row`` to a row (legible at the book's column width),
     on one colour scale from ``vmin`` to ``vmax`` (the largest value if None) with one colour bar
@@ -116,7 +169,7 @@ def history_plot(histories: dict, keys=("loss", "val_acc"), title: str | None = 
 
     cols = min(2, len(keys))                     # two panels to a row: legible at the column width
     rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.5 * cols, 3.0 * rows), squeeze=False)
     for ax in axes.flat[len(keys):]:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, keys):

@@ -85,9 +85,12 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def render_frames(draw: Callable, knob: str, values: list, fixed: dict) -> list[bytes]:
+def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: list | None = None) -> list[bytes]:
     """PNG bytes of ``draw(**fixed, knob=value)`` for each value; raises if two frames are equal
-    (the knob would not change what the reader sees)."""
+    (the knob would not change what the reader sees). ``texts``, if given, receives each frame's
+    :func:`capslib.viz.text_on_page` (how large its smallest text appears in the book's column)."""
+    from . import viz
+
     if not values:
         raise ValueError(f"no values for the control {knob!r}")
     if len(values) > MAX_FRAMES:
@@ -98,6 +101,8 @@ def render_frames(draw: Callable, knob: str, values: list, fixed: dict) -> list[
         fig = draw(**{**fixed, knob: value})
         if fig is None:
             fig = plt.gcf()
+        if texts is not None:
+            texts.append(viz.text_on_page(fig, dpi=FIGURE_DPI))
         pngs.append(_png(fig))
     digests = [hashlib.sha256(p).hexdigest() for p in pngs]
     same = [(values[i], values[j]) for i in range(len(values)) for j in range(i + 1, len(values))
@@ -115,8 +120,11 @@ def png_size(data: bytes) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-def player_html(pngs: list[bytes], labels: list[str], start: int, title: str) -> str:
-    """A self-contained HTML player: the frame at ``start`` shown, a range slider to move."""
+def player_html(pngs: list[bytes], labels: list[str], start: int, title: str,
+                smallest_text_px: float | None = None) -> str:
+    """A self-contained HTML player: the frame at ``start`` shown, a range slider to move.
+    ``smallest_text_px`` (the smallest text of any frame as it appears in the book's column) is
+    kept in the player's ``data-smallest-text-px`` for ``tests/test_outputs.py``."""
     if len(pngs) != len(labels) or not 0 <= start < len(pngs):
         raise ValueError("expected one label per frame and a start index among them")
     # shown at the figure's size in CSS pixels (the frames are drawn at FRAME_DPI / FIGURE_DPI times it)
@@ -134,7 +142,8 @@ def player_html(pngs: list[bytes], labels: list[str], start: int, title: str) ->
 
     data = json.dumps({"src": sources, "labels": labels, "title": title}).replace("</", "<\\/")
     return (
-        f'<div class="animation capsbook-player" id="{uid}">'
+        f'<div class="animation capsbook-player" id="{uid}"'
+        + (f' data-smallest-text-px="{smallest_text_px:.2f}"' if smallest_text_px is not None else "") + ">"
         f'<img src="{sources[start]}" alt="{html.escape(title)}: {html.escape(labels[start])}" '
         f'width="{css_width}" style="max-width:100%;height:auto">'
         f'<div class="anim-controls"><label>{html.escape(title)} '
@@ -176,9 +185,12 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
     fixed = {name: c.value for name, c in made.items() if name != knob}
     values = control_values(made[knob])
     start = values.index(made[knob].value) if made[knob].value in values else 0
-    pngs = render_frames(draw, knob, values, fixed)
+    texts: list = []
+    pngs = render_frames(draw, knob, values, fixed, texts)
+    sizes = [t["smallest_px"] for t in texts if t["smallest_px"] is not None]
     title = f"{knob}" + (" (" + ", ".join(f"{k} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
-    display(HTML(player_html(pngs, [f"{knob} = {v}" for v in values], start, title)))
+    display(HTML(player_html(pngs, [f"{knob} = {v}" for v in values], start, title,
+                             smallest_text_px=min(sizes) if sizes else None)))
 
     def show(**values):
         draw(**values)

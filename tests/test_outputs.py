@@ -74,3 +74,40 @@ def test_the_leak_patterns_catch_what_they_name():
     for fine in ["accuracy 0.99 over 3 seeds", "starting from 06_rem_start_s0.pt (2 epochs trained)",
                  "ratio 1/2 of ch 3", "s/epoch 1.2", "https://example.org/a/b"]:
         assert not any(p.search(fine) for p in LEAKS.values()), fine
+
+
+PLAYER = re.compile(r'<div class="animation capsbook-player"[^>]*?(?: data-smallest-text-px="([\d.]+)")?>')
+
+
+def figure_texts(nb: dict) -> list[tuple[int, str, dict | None]]:
+    """Per figure shown (inline PNG or frame player): (cell, kind, what capslib measured of its
+    smallest text on the page; None where the output carries no measurement)."""
+    found = []
+    for index, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "image/png" in data:
+                found.append((index, "figure", out.get("metadata", {}).get("image/png", {}).get("capsbook")))
+            page = data.get("text/html")
+            page = "".join(page) if isinstance(page, list) else (page or "")
+            for m in PLAYER.finditer(page):
+                found.append((index, "player", {"smallest_px": float(m.group(1))} if m.group(1) else None))
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_figure_is_legible_in_the_column(path):
+    """Every figure's smallest text is at least 9 pt (viz.MIN_TEXT_PX CSS px) where the book shows
+    it: in the 688-px column of a 1280-px window, after a wide figure is scaled down to the column.
+    capslib measures each figure when the kernel shows it (capslib.session, capslib.widgets); an
+    output without that measurement was executed before it existed and is refused too."""
+    from capslib import viz
+
+    problems = []
+    for index, kind, info in figure_texts(json.loads(path.read_text())):
+        if info is None:
+            problems.append(f"cell {index}: a {kind} without the text measurement (re-execute the chapter)")
+        elif info.get("smallest_px") is not None and info["smallest_px"] < viz.MIN_TEXT_PX:
+            shown = f" ({info['smallest_text']!r}, figure {info['width_px']:.0f} px wide)" if "smallest_text" in info else ""
+            problems.append(f"cell {index}: {kind} text {info['smallest_px']:.1f} px < {viz.MIN_TEXT_PX:g}{shown}")
+    assert not problems, "\n".join(problems)

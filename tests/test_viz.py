@@ -65,6 +65,8 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
     first = base64.b64decode(re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1))
     pixels = widgets.png_size(first)[0]
     assert pixels > 100 and f'width="{round(pixels / 2)}"' in page
+    # the smallest text of any frame, as the column shows it, travels with the player
+    assert float(re.search(r'data-smallest-text-px="([\d.]+)"', page).group(1)) > 0
     slider = live.children[0]
     calls.clear()
     slider.value = 5
@@ -141,3 +143,47 @@ def test_multi_panel_figures_wrap_to_stay_legible_at_the_column_width():
     with pytest.raises(ValueError, match="per_row must be a positive integer"):
         viz.coupling_heatmaps([torch.rand(3, 2)], per_row=0)
     matplotlib.pyplot.close("all")
+
+
+def test_text_on_page_scales_wide_figures_to_the_column_and_finds_the_smallest_text():
+    """A figure as wide as the column shows an s-pt text s * 100 / 72 px high; one twice as wide is
+    halved; hidden and empty texts do not count; a figure without text reports None."""
+    import matplotlib.pyplot as plt
+
+    width_in = viz.COLUMN_IN - 2 * viz.PAD_INCHES
+    fig = plt.figure(figsize=(width_in, 2))
+    fig.text(0.0, 0.5, "left edge", fontsize=12)
+    fig.text(0.99, 0.5, "R", fontsize=9, ha="right")
+    fig.text(0.5, 0.2, "hidden", fontsize=4).set_visible(False)
+    fig.text(0.5, 0.8, "  ", fontsize=4)
+    fig.patches.append(matplotlib.patches.Rectangle((0, 0), 1, 1, transform=fig.transFigure, fill=False))
+    info = viz.text_on_page(fig)
+    assert info["smallest_text"] == "R" and info["scale"] == pytest.approx(1.0, abs=0.01)
+    assert info["smallest_px"] == pytest.approx(9 * 100 / 72, rel=0.01)
+    fig.set_size_inches(2 * viz.COLUMN_IN - 2 * viz.PAD_INCHES, 2)
+    wide = viz.text_on_page(fig)
+    assert wide["scale"] == pytest.approx(0.5, rel=0.02) and wide["smallest_px"] == pytest.approx(6.25, rel=0.02)
+    empty = plt.figure(figsize=(2, 2))
+    empty.add_axes((0, 0, 1, 1)).axis("off")
+    assert viz.text_on_page(empty)["smallest_px"] is None
+    with pytest.raises(ValueError, match="dpi"):
+        viz.text_on_page(empty, dpi=0)
+    plt.close("all")
+
+
+def test_inline_figures_carry_their_text_measurement():
+    """In a kernel, capslib.setup() makes the PNG formatter put viz.text_on_page's numbers in the
+    output's metadata (tests/test_outputs.py reads them from the committed notebooks)."""
+    from IPython.core.formatters import PNGFormatter
+    from matplotlib.figure import Figure
+
+    from capslib import session
+
+    fmt = PNGFormatter()
+    fmt.for_type(Figure, lambda fig: (b"png", {"width": 10}))
+    measuring = session._measuring(fmt.lookup_by_type(Figure))
+    fig = Figure(figsize=(3, 2))
+    fig.add_subplot().set_title("title", fontsize=9)
+    data, meta = measuring(fig)
+    assert data == b"png" and meta["width"] == 10
+    assert meta["capsbook"]["smallest_text"] == "title" and meta["capsbook"]["smallest_px"] == pytest.approx(12.5)

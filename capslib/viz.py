@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -25,7 +26,8 @@ def text_on_page(fig, dpi: float = FIGURE_DPI, column_px: float = COLUMN_PX) -> 
     is actually drawn (visible, not empty: titles, labels, tick labels, legends, annotations) is
     collected. Returns ``width_px`` (the figure's width on the page before scaling), ``scale``
     (``min(1, column_px / width_px)``), ``smallest_px`` (the smallest drawn text's height on the
-    page in CSS px, None for a figure without text) and ``smallest_text`` (that text)."""
+    page in CSS px, None for a figure without text) and ``smallest_text`` (that text); and
+    ``internal_labels``, the texts that name an equation by its internal label, where any do."""
     from matplotlib.text import Text
 
     if not dpi > 0 or not column_px > 0:
@@ -52,6 +54,10 @@ def text_on_page(fig, dpi: float = FIGURE_DPI, column_px: float = COLUMN_PX) -> 
     width_px = (box.width + 2 * PAD_INCHES) * dpi
     scale = min(1.0, column_px / width_px)
     info = {"width_px": round(float(width_px), 1), "scale": round(float(scale), 4), "smallest_px": None, "smallest_text": None}
+    # an equation's label (ch2-softmax) means nothing to a reader, who sees equation numbers
+    labelled = [t.get_text()[:60] for t in drawn if re.search(r"\bch\d+-[a-z]", t.get_text())]
+    if labelled:
+        info["internal_labels"] = labelled
     if drawn:
         small = min(drawn, key=lambda t: t.get_fontsize())
         info["smallest_px"] = round(float(small.get_fontsize() * dpi / 72 * scale), 2)

@@ -187,6 +187,10 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
     start = values.index(made[knob].value) if made[knob].value in values else 0
     texts: list = []
     pngs = render_frames(draw, knob, values, fixed, texts)
+    labelled = [label for t in texts for label in t.get("internal_labels", [])]
+    if labelled:
+        raise ValueError(f"the figure names equations by internal labels {labelled[:3]}: readers see equation "
+                         f"numbers, so say it in words")
     sizes = [t["smallest_px"] for t in texts if t["smallest_px"] is not None]
     title = f"{knob}" + (" (" + ", ".join(f"{k} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
     display(HTML(player_html(pngs, [f"{knob} = {v}" for v in values], start, title,

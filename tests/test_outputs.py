@@ -100,14 +100,18 @@ def test_every_figure_is_legible_in_the_column(path):
     """Every figure's smallest text is at least 9 pt (viz.MIN_TEXT_PX CSS px) where the book shows
     it: in the 688-px column of a 1280-px window, after a wide figure is scaled down to the column.
     capslib measures each figure when the kernel shows it (capslib.session, capslib.widgets); an
-    output without that measurement was executed before it existed and is refused too."""
+    output without that measurement was executed before it existed and is refused too. A figure
+    whose text names an equation by its internal label (``ch2-softmax``) is refused as well."""
     from capslib import viz
 
     problems = []
     for index, kind, info in figure_texts(json.loads(path.read_text())):
         if info is None:
             problems.append(f"cell {index}: a {kind} without the text measurement (re-execute the chapter)")
-        elif info.get("smallest_px") is not None and info["smallest_px"] < viz.MIN_TEXT_PX:
+            continue
+        if info.get("internal_labels"):
+            problems.append(f"cell {index}: {kind} shows internal labels {info['internal_labels']}")
+        if info.get("smallest_px") is not None and info["smallest_px"] < viz.MIN_TEXT_PX:
             shown = f" ({info['smallest_text']!r}, figure {info['width_px']:.0f} px wide)" if "smallest_text" in info else ""
             problems.append(f"cell {index}: {kind} text {info['smallest_px']:.1f} px < {viz.MIN_TEXT_PX:g}{shown}")
     assert not problems, "\n".join(problems)

@@ -576,11 +576,13 @@ def coupling_paths(G, source: str = "û", via: str = "Softmax") -> int:
 _COLORS = {"input": "#4c9f70", "output": "#c0392b", "leaf": "#95a5a6", "softmax": "#e67e22", "op": "#aed6f1"}
 
 
-def draw_graph(G, ax=None, title: str | None = None, font_size: float = 6.5):
-    """Draw :func:`autograd_graph`'s graph left to right in topological layers (chapter 4).
+def draw_graph(G, ax=None, title: str | None = None, font_size: float = 9):
+    """Draw :func:`autograd_graph`'s graph top to bottom in topological layers (chapter 4).
 
     Positions come from :func:`networkx.multipartite_layout` over the graph's
-    topological generations; softmax nodes (where the couplings are made) are orange.
+    topological generations, one row per generation; softmax nodes (where the couplings are
+    made) are orange. Without ``ax`` the figure is 6 inches wide (inside the book's text column,
+    so the 9-pt labels stay legible there) and grows in height with the number of generations.
     Returns the matplotlib Figure.
     """
     import matplotlib.pyplot as plt
@@ -589,9 +591,10 @@ def draw_graph(G, ax=None, title: str | None = None, font_size: float = 6.5):
     for layer, nodes in enumerate(nx.topological_generations(G)):
         for n in nodes:
             G.nodes[n]["layer"] = layer
-    pos = nx.multipartite_layout(G, subset_key="layer", align="vertical")
+    pos = {n: (x, -y) for n, (x, y) in
+           nx.multipartite_layout(G, subset_key="layer", align="horizontal").items()}   # first generation on top
     if ax is None:
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * (layer + 1)), 4.0))
+        fig, ax = plt.subplots(figsize=(6.0, max(4.0, 0.5 * (layer + 1))))
     else:
         fig = ax.figure
 
@@ -609,6 +612,7 @@ def draw_graph(G, ax=None, title: str | None = None, font_size: float = 6.5):
                            edgecolors="#333333", linewidths=0.5)
     nx.draw_networkx_labels(G, pos, labels={n: d["label"] for n, d in G.nodes(data=True)}, ax=ax,
                             font_size=font_size)
+    ax.margins(x=0.15)   # room for the outer nodes' labels
     ax.set_axis_off()
     if title:
         ax.set_title(title)
@@ -747,7 +751,7 @@ def draw_semantic_graph(G, ax=None, title: str | None = None):
             if (a, b) in hot:
                 hot_H.add((a, b))
     if ax is None:
-        fig, ax = plt.subplots(figsize=(9.0, 3.8))
+        fig, ax = plt.subplots(figsize=(7.0, 3.6))   # the book's text column
     else:
         fig = ax.figure
     for color, group in (("#e67e22", [e for e in H.edges if e in hot_H]), ("#7f8c8d", [e for e in H.edges if e not in hot_H])):

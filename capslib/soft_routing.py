@@ -468,11 +468,12 @@ def route_heatmaps(matrices, titles, xlabel: str = "route j", ylabel: str = "cla
                    suptitle: str | None = None, cbar_label: str = "mean weight", vmax: float | None = 1.0,
                    per_row: int = 3):
     """Heatmaps of ``(C, M)`` class-by-route matrices (chapter 3), at most ``per_row`` to a row, on
-    one colour scale: the learned routing weights and the agreement couplings are drawn by this."""
+    one colour scale: the learned routing weights and the agreement couplings are drawn by this.
+    Panels are sized so that three to a row of four routes each stay within the book's column."""
     from .viz import heatmap_grid
 
     mats = [m.detach().float().cpu().numpy() if isinstance(m, torch.Tensor) else m for m in matrices]
     width = mats[0].shape[1] if mats else 0
     return heatmap_grid(mats, titles, xlabel, ylabel, cbar_label, vmax=vmax, per_row=per_row, suptitle=suptitle,
-                        panel_width=0.9 + 0.35 * width, panel_height=2.9,
+                        panel_width=0.75 + 0.3 * width, panel_height=2.9,
                         xticklabels=[str(j + 1) for j in range(width)])

@@ -889,7 +889,7 @@ def draw_parse_tree(G, ax=None, title: str | None = None, cmap: str = "viridis")
     ax.tick_params(bottom=True, labelbottom=True, left=False, labelleft=False)
     ax.set_xticks(range(len(layers)))
     names = ["primary"] + [f"hidden {k}" for k in range(1, len(layers) - 1)] + ["class"]
-    ax.set_xticklabels(names[:len(layers)], fontsize=8)
+    ax.set_xticklabels(names[:len(layers)])
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     ax.set_xlabel("capsule layer")

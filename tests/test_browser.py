@@ -29,7 +29,9 @@ A page fails on
   it); a PNG without one counts as dpi 100 (matplotlib's default), an SVG as 96 (CSS pixels, its
   sizes are in points). The rule is enforced at both widths (``LEGIBLE_AT``): at 400 px the page's
   script ``book/_static/capsbook.js`` keeps each output image at least 1/1.75 of its declared width
-  and lets its output area scroll sideways, so a phone shows figures legibly rather than whole.
+  and lets its output area scroll sideways, so a phone shows figures legibly rather than whole;
+- at 1280 px, an output column narrower than ``capslib.viz.COLUMN_PX`` (688 px): every figure's
+  smallest text is measured for that column (``tests/test_outputs.py``, at least 9 pt there).
 """
 from __future__ import annotations
 
@@ -226,7 +228,10 @@ IMAGES = """() => {
     const r = img.getBoundingClientRect();
     const before = heads.filter(h => h.compareDocumentPosition(img) & Node.DOCUMENT_POSITION_FOLLOWING);
     const section = before.length ? before[before.length - 1].textContent.replace(/[#\\s]+$/, '').trim() : '';
-    return {src: img.currentSrc || img.src, natural: img.naturalWidth, rendered: r.width,
+    const box = img.closest('div.cell_output, div.output');
+    const cs = box ? getComputedStyle(box) : null;
+    const column = box ? box.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) : 0;
+    return {src: img.currentSrc || img.src, natural: img.naturalWidth, rendered: r.width, column: column,
             complete: img.complete, animation: !!img.closest('div.animation'), section: section.slice(0, 60)};
   });
 }"""
@@ -299,6 +304,17 @@ def _legibility(images: list[dict], base: str, page: str) -> list[tuple[str, str
     return bad
 
 
+def _column_problems(images: list[dict]) -> list[str]:
+    """At 1280 px every output image sits in a column of capslib.viz.COLUMN_PX CSS px: the width
+    each figure's text was measured for (tests/test_outputs.py). A narrower column would shrink
+    every figure below the size that test checks."""
+    from capslib import viz
+
+    narrow = sorted({round(im["column"]) for im in images if im["column"] and im["column"] < viz.COLUMN_PX - 1})
+    return [f"output column {w} px wide; figures are drawn for {viz.COLUMN_PX} px (capslib.viz.COLUMN_PX)"
+            for w in narrow]
+
+
 def _menu(pg, width: int) -> str | None:
     visible_before = pg.evaluate(NAV_LINKS, width)
     toggles = [t for t in pg.query_selector_all(".primary-toggle") if t.is_visible()]
@@ -363,7 +379,10 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
             elif fig["stuck"]:
                 problems.append(f"interactive figure {fig['k'] + 1} {fig['label']!r}: the image does not change "
                                 f"at slider positions {fig['stuck']} of {fig['positions']}")
-        bad = _legibility(pg.evaluate(IMAGES), base, page)
+        images = pg.evaluate(IMAGES)
+        bad = _legibility(images, base, page)
+        if width == WIDTHS[0]:
+            problems += _column_problems(images)
         info["illegible"] = bad
         if width in LEGIBLE_AT:
             for _, name, ratio, allowed in bad:

@@ -238,6 +238,50 @@ def summarise(runs: dict) -> dict:
     return dict(sorted(by_claim.items()))
 
 
+def restamp(path: Path, notebooks: list[Path], why: str, previous: dict[str, str]) -> list[str]:
+    """Declare each chapter's current code the version its measurements belong to, after a change
+    that cannot move a measured value (a figure's size, say; the person restamping checks that,
+    e.g. by a re-execution whose glued numbers come out identical). Only runs measured on the
+    version named by ``previous`` (chapter -> digest, see :func:`digest_at`) move: each gets the
+    current digest, and the old one goes into its ``restamped`` list with ``why`` and the date, so
+    the next ``measure`` of one thread count does not drop the other's runs as another experiment.
+    Runs of any other version stay as they are. Returns one line per chapter."""
+    if not why.strip():
+        raise ValueError("restamp: why must say why the measurements still hold for the current code")
+    table = json.loads(path.read_text())
+    digests = {nb.stem: source_digest(nb) for nb in notebooks}
+    changed: dict[str, int] = {}
+    others: dict[str, int] = {}
+    for entry in table.get("runs", {}).values():
+        for chapter, res in entry["chapters"].items():
+            if chapter not in digests or res.get("source") == digests[chapter]:
+                continue
+            if res.get("source") != previous.get(chapter):
+                others[chapter] = others.get(chapter, 0) + 1
+                continue
+            res.setdefault("restamped", []).append(
+                {"from": res.get("source"), "on": time.strftime("%Y-%m-%d %H:%M"), "why": why.strip()})
+            res["source"] = digests[chapter]
+            changed[chapter] = changed.get(chapter, 0) + 1
+    if changed:
+        _write(table, path)
+    return [f"{chapter}: {changed.get(chapter, 0)} run(s) restamped to {digests[chapter]}"
+            + (f"; {others[chapter]} run(s) of another version left as they are" if chapter in others else "")
+            for chapter in sorted(set(changed) | set(others))]
+
+
+def digest_at(rev: str, nb_path: Path) -> str:
+    """:func:`source_digest` of a notebook as it was at git revision ``rev``."""
+    rel = nb_path.resolve().relative_to(ROOT)
+    shown = subprocess.run(["git", "show", f"{rev}:{rel.as_posix()}"], cwd=ROOT, capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise ValueError(f"restamp: git cannot show {rel} at {rev!r}: {shown.stderr.strip()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / nb_path.name
+        copy.write_text(shown.stdout)
+        return source_digest(copy)
+
+
 def markdown(table: dict) -> str:
     """The table as Markdown (one row per claim), for the README."""
     words = {"above": ">", "at_least": "≥", "below": "<", "at_most": "≤"}
@@ -262,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", action="store_true", help="print the Markdown table of the spread file and stop")
     ap.add_argument("--rebound", action="store_true",
                     help="re-read the bounds from the notebooks, recompute the summary, print the table and stop")
+    ap.add_argument("--restamp", metavar="WHY",
+                    help="mark the chosen chapters' runs measured on the code of --from-rev as measured on their "
+                         "current code, saying WHY the change cannot have moved a measurement, and stop")
+    ap.add_argument("--from-rev", metavar="REV", help="with --restamp: the git revision the runs were measured on")
     ap.add_argument("--file", type=Path, default=SPREAD_FILE)
     args = ap.parse_args(argv)
     if args.table:
@@ -276,6 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         notebooks = [nb for nb in notebooks if nb.stem[:2] in wanted]
         if not notebooks:
             ap.error(f"--chapters: none of {sorted(wanted)} is a chapter; have {[nb.stem[:2] for nb in chapters()]}")
+    if args.restamp is not None:
+        if not args.chapters or not args.from_rev:
+            ap.error("--restamp needs --chapters (whose change cannot move a measurement) and --from-rev "
+                     "(the revision their runs were measured on)")
+        try:
+            previous = {nb.stem: digest_at(args.from_rev, nb) for nb in notebooks}
+            lines = restamp(args.file, notebooks, args.restamp, previous)
+        except ValueError as err:
+            ap.error(str(err))
+        print("\n".join(lines) or "nothing to restamp: every run already carries its chapter's current digest")
+        return 0
     if any(t < 1 for t in args.threads) or args.jobs < 1:
         ap.error("--threads and --jobs must be >= 1")
     table = measure(args.seeds, args.threads, notebooks, jobs=args.jobs, path=args.file)

@@ -1,0 +1,52 @@
+"""capslib.spread.restamp: runs measured on a named earlier version of a chapter are marked as
+measured on its current code only with a reason, keeping the old digest; runs of any other version
+and chapters not named are left alone."""
+import json
+
+import nbformat
+import pytest
+
+from capslib import spread
+
+
+def _chapter(tmp_path, name, code):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    path = tmp_path / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_restamp_moves_old_runs_to_the_current_digest_and_keeps_the_old_one(tmp_path):
+    nb = _chapter(tmp_path, "02_x", "plt.figure(figsize=(7, 3))")
+    other = _chapter(tmp_path, "03_y", "print(1)")
+    table = {"runs": {"seed0-t2": {"seed": 0, "threads": 2, "chapters": {
+        "02_x": {"source": "old", "claims": {}}, "03_y": {"source": "old3", "claims": {}}}},
+        "seed1-t2": {"seed": 1, "threads": 2, "chapters": {"02_x": {"source": "older", "claims": {}}}}}}
+    path = tmp_path / "spread.json"
+    path.write_text(json.dumps(table))
+    lines = spread.restamp(path, [nb], "figure sizes only; glued numbers identical", {"02_x": "old"})
+    runs = json.loads(path.read_text())["runs"]
+    after = runs["seed0-t2"]["chapters"]
+    assert lines == [f"02_x: 1 run(s) restamped to {spread.source_digest(nb)}; 1 run(s) of another version "
+                     f"left as they are"]
+    assert runs["seed1-t2"]["chapters"]["02_x"] == {"source": "older", "claims": {}}   # not the version named
+    assert after["02_x"]["source"] == spread.source_digest(nb)
+    assert after["02_x"]["restamped"][0]["from"] == "old" and "figure" in after["02_x"]["restamped"][0]["why"]
+    assert after["03_y"] == {"source": "old3", "claims": {}}          # not named: untouched
+    assert spread.restamp(path, [nb], "again", {"02_x": "old"})[0].startswith("02_x: 0 run(s)")
+    assert spread.source_digest(other) != "old3"
+    with pytest.raises(ValueError, match="why"):
+        spread.restamp(path, [nb], "  ", {"02_x": "old"})
+
+
+def test_digest_at_reads_the_committed_version():
+    """digest_at(HEAD) of a committed chapter is the digest of the file as committed."""
+    import subprocess
+
+    nb = sorted(spread.chapters())[0]
+    committed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(nb)], cwd=spread.ROOT).returncode == 0
+    if not committed:
+        pytest.skip(f"{nb.name} has uncommitted changes")
+    assert spread.digest_at("HEAD", nb) == spread.source_digest(nb)
+    with pytest.raises(ValueError, match="git cannot show"):
+        spread.digest_at("no-such-revision", nb)

@@ -17,6 +17,8 @@ MIN_TEXT_PX = 12.0
 FIGURE_DPI = 100
 PAD_INCHES = 0.1          # savefig's pad around the tight bounding box (the inline backend's setting)
 COLUMN_IN = COLUMN_PX / FIGURE_DPI   # a figure this wide (in inches) fills the column unscaled
+# an equation's internal label (ch2-softmax): readers see equation numbers, never these
+INTERNAL_LABEL = re.compile(r"\bch\d+-[a-z]")
 
 
 def text_on_page(fig, dpi: float = FIGURE_DPI, column_px: float = COLUMN_PX) -> dict:
@@ -54,8 +56,7 @@ def text_on_page(fig, dpi: float = FIGURE_DPI, column_px: float = COLUMN_PX) -> 
     width_px = (box.width + 2 * PAD_INCHES) * dpi
     scale = min(1.0, column_px / width_px)
     info = {"width_px": round(float(width_px), 1), "scale": round(float(scale), 4), "smallest_px": None, "smallest_text": None}
-    # an equation's label (ch2-softmax) means nothing to a reader, who sees equation numbers
-    labelled = [t.get_text()[:60] for t in drawn if re.search(r"\bch\d+-[a-z]", t.get_text())]
+    labelled = [t.get_text()[:60] for t in drawn if INTERNAL_LABEL.search(t.get_text())]
     if labelled:
         info["internal_labels"] = labelled
     if drawn:

@@ -27,8 +27,10 @@ from typing import Callable
 
 import matplotlib.pyplot as plt
 
+from . import viz
+from .viz import FIGURE_DPI  # CSS pixels per inch of a figure on the page (matplotlib's figure.dpi)
+
 last_live = None         # the live controls of the latest interactive figure (for tests and scripts)
-FIGURE_DPI = 100         # CSS pixels per inch of a figure on the page (matplotlib's figure.dpi)
 FRAME_DPI = 200          # frames are retina PNGs, like the book's inline figures (capslib.setup)
 MAX_FRAMES = 60
 _ids = itertools.count()
@@ -89,8 +91,6 @@ def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: l
     """PNG bytes of ``draw(**fixed, knob=value)`` for each value; raises if two frames are equal
     (the knob would not change what the reader sees). ``texts``, if given, receives each frame's
     :func:`capslib.viz.text_on_page` (how large its smallest text appears in the book's column)."""
-    from . import viz
-
     if not values:
         raise ValueError(f"no values for the control {knob!r}")
     if len(values) > MAX_FRAMES:

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from capslib import viz
+
 BOOK = Path(__file__).resolve().parents[1] / "book"
 NOTEBOOKS = sorted(BOOK.glob("[0-9]*.ipynb")) + [BOOK / "scoreboard.ipynb"]
 
 LEAKS = {
     "a machine path": re.compile(r"PosixPath\(|(?<![\w.~])/(?:work|home|root|tmp|Users|mnt|opt|var|usr)/|[A-Z]:\\\\"),
-    "an internal label (readers know equation numbers, not labels)": re.compile(r"\bch\d+-[a-z]"),
+    "an internal label (readers know equation numbers, not labels)": viz.INTERNAL_LABEL,
     "a training resumed from an earlier execution": re.compile(r"already trained|^resuming |\nresuming "),
 }
 # Outputs known to break a rule, each with its reason; strict: an entry whose notebook no longer
@@ -102,8 +104,6 @@ def test_every_figure_is_legible_in_the_column(path):
     capslib measures each figure when the kernel shows it (capslib.session, capslib.widgets); an
     output without that measurement was executed before it existed and is refused too. A figure
     whose text names an equation by its internal label (``ch2-softmax``) is refused as well."""
-    from capslib import viz
-
     problems = []
     for index, kind, info in figure_texts(json.loads(path.read_text())):
         if info is None:

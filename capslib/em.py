@@ -35,6 +35,7 @@ from torch import nn
 
 from . import profiles
 from .checks import check_positive_int, check_tensor
+from .ops import bmm
 
 FINAL_LAMBDA = 1.0    # lambda of the last routing iteration, for normalised costs (the paper gives no value)
 LITERAL_FINAL_LAMBDA = 0.03   # a workable lambda for the literal (unnormalised) cost at the ci network's scale
@@ -177,7 +178,8 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
     """One M-step and (if ``do_e_step``) one E-step on centred votes ``V (B, J, I, H)``.
 
     ``VV`` is ``cat([V, V2], -1)`` when the caller has it: then each step reads the vote
-    tensor with a single batched matrix product instead of two.
+    tensor with a single batched matrix product instead of two (:func:`capslib.ops.bmm`, whose
+    backward pass forms the votes' gradient, an outer product, without a matrix product).
     """
     H = V.shape[-1]
     # M-step
@@ -189,11 +191,12 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
     # batched (1 x I) @ (I x H) products; written with matmul rather than einsum, whose backward
     # pass took several times longer here (CPU, torch 2.13)
     wr = w.unsqueeze(-2)                                   # (B, J, 1, I)
+    B, J, I = w.shape
     if VV is None:
         mu = torch.matmul(wr, V).squeeze(-2)               # mu_jh (centred)
         ex2 = torch.matmul(wr, V2).squeeze(-2)
     else:
-        mu, ex2 = torch.matmul(wr, VV).squeeze(-2).split(H, dim=-1)
+        mu, ex2 = bmm(wr.reshape(B * J, 1, I), VV.reshape(B * J, I, 2 * H)).view(B, J, 2 * H).split(H, dim=-1)
     sigma2 = (ex2 - (2.0 - s) * mu * mu).clamp_min(0.0) + var_floor
     amount = rsum / V.shape[2] if normalize == "mean" else rsum   # Eq. ch5-costnorm: sum_i r'_ij / I
     cost = ((bu.unsqueeze(-1) + 0.5 * torch.log(sigma2)) * amount.unsqueeze(-1)).sum(dim=-1)   # sum_h cost_jh
@@ -206,7 +209,8 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
         if VV is None:
             quad = (torch.matmul(V2, q.unsqueeze(-1)) - 2.0 * torch.matmul(V, (mu * q).unsqueeze(-1))).squeeze(-1)
         else:
-            quad = torch.matmul(VV, torch.cat([-2.0 * mu * q, q], dim=-1).unsqueeze(-1)).squeeze(-1)
+            z = torch.cat([-2.0 * mu * q, q], dim=-1)
+            quad = bmm(VV.reshape(B * J, I, 2 * H), z.reshape(B * J, 2 * H, 1)).view(B, J, I)
         quad = quad + (mu * mu * q).sum(dim=-1, keepdim=True)
         logp = -quad - 0.5 * torch.log(2.0 * math.pi * sigma2).sum(dim=-1, keepdim=True)
         R = torch.softmax(F.logsigmoid(logit).unsqueeze(-1) + logp, dim=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_positive_int, check_tensor
-from .ops import squash
+from .ops import bmm, squash
 
 
 def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = False):
@@ -36,20 +36,43 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     b = u_hat.new_zeros(B, I, J)
     if detach:
         with torch.no_grad():
-            u = u_hat.detach()
+            u = by_parent(u_hat.detach())
             for _ in range(iterations - 1):
                 c = torch.softmax(b, dim=2)
-                v = squash(torch.einsum("bij,bijd->bjd", c, u))
-                b = b + torch.einsum("bijd,bjd->bij", u, v)
+                v = squash(weighted_sum(c, u))
+                b = b + agreement(u, v)
             c = torch.softmax(b, dim=2)
-        v = squash(torch.einsum("bij,bijd->bjd", c, u_hat))
+        v = squash(weighted_sum(c, by_parent(u_hat)))
         return v, c
+    u = by_parent(u_hat)
     for t in range(iterations):
         c = torch.softmax(b, dim=2)
-        v = squash(torch.einsum("bij,bijd->bjd", c, u_hat))
+        v = squash(weighted_sum(c, u))
         if t < iterations - 1:
-            b = b + torch.einsum("bijd,bjd->bij", u_hat, v)
+            b = b + agreement(u, v)
     return v, c
+
+
+def by_parent(u_hat: torch.Tensor) -> torch.Tensor:
+    """Votes ``(B, I, J, D)`` laid out parent-major, ``(B*J, I, D)``: one copy that every
+    contraction of a routing pass reads (:func:`weighted_sum`, :func:`agreement`)."""
+    B, I, J, D = u_hat.shape
+    return u_hat.transpose(1, 2).reshape(B * J, I, D)
+
+
+def weighted_sum(c: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``s_j = sum_i c_ij u_hat_{j|i}`` (Eq. 2) for couplings ``c (B, I, J)`` and votes ``u`` from
+    :func:`by_parent`: ``(B, J, D)``. The same numbers as ``einsum("bij,bijd->bjd", c, u_hat)``,
+    gradients included (:func:`capslib.ops.bmm`)."""
+    B, I, J = c.shape
+    return bmm(c.transpose(1, 2).reshape(B * J, 1, I), u).view(B, J, u.shape[-1])
+
+
+def agreement(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``u_hat_{j|i} . v_j`` for votes ``u`` from :func:`by_parent` and outputs ``v (B, J, D)``:
+    ``(B, I, J)``, the same numbers as ``einsum("bijd,bjd->bij", u_hat, v)``."""
+    B, J, D = v.shape
+    return bmm(u, v.reshape(B * J, D, 1)).view(B, J, -1).transpose(1, 2)
 
 
 def routing_trace(u_hat: torch.Tensor, iterations: int = 3):
@@ -64,10 +87,11 @@ def routing_trace(u_hat: torch.Tensor, iterations: int = 3):
     cs, vs = [], []
     with torch.no_grad():
         b = u_hat.new_zeros(u_hat.shape[:3])
+        u = by_parent(u_hat)
         for _ in range(iterations):
             c = torch.softmax(b, dim=2)
-            v = squash(torch.einsum("bij,bijd->bjd", c, u_hat))
-            b = b + torch.einsum("bijd,bjd->bij", u_hat, v)
+            v = squash(weighted_sum(c, u))
+            b = b + agreement(u, v)
             cs.append(c)
             vs.append(v)
     return cs, vs

@@ -177,6 +177,88 @@ def test_routing_trace_ends_at_routing():
     torch.testing.assert_close(cs[0], torch.full_like(c, 1 / 4))
 
 
+# ------------------------------------------------------------------ ops.bmm (the routing contractions)
+
+def _reference(fn, *inputs, grad_out):
+    """Output and input gradients of ``fn`` by autograd on fresh copies of ``inputs``."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*xs)
+    return (out, *torch.autograd.grad(out, xs, grad_out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("N,M,K,P", [(640, 1, 288, 16), (640, 288, 16, 1), (3200, 36, 32, 1), (5, 3, 4, 2),
+                                     (7, 1, 1, 1)])
+def test_bmm_is_torch_bmm_bit_for_bit(N, M, K, P, dtype):
+    # the outer products of the backward pass are formed by broadcasting: the same bits as torch.bmm's
+    g = torch.Generator().manual_seed(N + M + K + P)
+    a, b = torch.randn(N, M, K, generator=g, dtype=dtype), torch.randn(N, K, P, generator=g, dtype=dtype)
+    grad_out = torch.randn(N, M, P, generator=g, dtype=dtype)
+    for mine, ref in zip(_reference(capslib.ops.bmm, a, b, grad_out=grad_out),
+                         _reference(torch.bmm, a, b, grad_out=grad_out)):
+        assert mine.dtype == ref.dtype and torch.equal(mine, ref)
+
+
+def test_bmm_first_and_second_derivatives():
+    a = torch.randn(3, 1, 4, **f64, requires_grad=True)
+    b = torch.randn(3, 4, 2, **f64, requires_grad=True)
+    assert torch.autograd.gradcheck(capslib.ops.bmm, (a, b))
+    assert torch.autograd.gradgradcheck(capslib.ops.bmm, (a, b))
+    c = torch.randn(3, 5, 4, **f64, requires_grad=True)
+    d = torch.randn(3, 4, 1, **f64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(capslib.ops.bmm, (c, d))
+
+
+def test_bmm_under_vmap_and_autocast():
+    a, b = torch.randn(4, 6, 1, 5), torch.randn(4, 6, 5, 3)
+    torch.testing.assert_close(torch.func.vmap(capslib.ops.bmm)(a, b), torch.stack([torch.bmm(x, y) for x, y in zip(a, b)]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert capslib.ops.bmm(a[0], b[0]).dtype == torch.bmm(a[0], b[0]).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("a,b,err,msg", [
+    (torch.zeros(2, 3), torch.zeros(2, 3, 4), ValueError, "a must be"),
+    (torch.zeros(2, 1, 3), torch.zeros(2, 4, 4), ValueError, "same N and K"),
+    (torch.zeros(2, 1, 3), torch.zeros(3, 3, 4), ValueError, "same N and K"),
+    (torch.zeros(2, 1, 3, dtype=torch.long), torch.zeros(2, 3, 4), TypeError, "floating"),
+])
+def test_bmm_bad_input(a, b, err, msg):
+    with pytest.raises(err, match=msg):
+        capslib.ops.bmm(a, b)
+
+
+def _routing_by_einsum(u_hat, iterations, detach):
+    """Procedure 1 written with einsum, as capslib wrote it before ops.bmm."""
+    b = u_hat.new_zeros(u_hat.shape[:3])
+    u = u_hat.detach() if detach else u_hat
+    for _ in range(iterations - 1):
+        c = torch.softmax(b, dim=2)
+        v = capslib.squash(torch.einsum("bij,bijd->bjd", c, u))
+        b = b + torch.einsum("bijd,bjd->bij", u, v)
+    c = torch.softmax(b, dim=2)
+    return capslib.squash(torch.einsum("bij,bijd->bjd", c, u_hat))
+
+
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("shape", [(64, 288, 10, 16), (8, 30, 4, 8)])
+def test_routing_is_the_einsum_routing_bit_for_bit(shape, detach):
+    g = torch.Generator().manual_seed(3)
+    u = 0.1 * torch.randn(*shape, generator=g)
+    grad_out = torch.randn(shape[0], shape[2], shape[3], generator=g)
+    mine = _reference(lambda t: capslib.dynamic_routing(t, 3, detach=detach)[0], u, grad_out=grad_out)
+    ref = _reference(lambda t: _routing_by_einsum(t, 3, detach), u, grad_out=grad_out)
+    assert all(torch.equal(x, y) for x, y in zip(mine, ref))
+
+
+def test_setup_keeps_freed_memory_on_linux_glibc():
+    import platform
+
+    from capslib import session
+
+    applies = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert session.keep_freed_memory() is applies
+
+
 # ------------------------------------------------------------------ layers and CapsNet
 
 def test_primary_caps_shapes_and_errors():

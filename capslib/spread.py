@@ -14,7 +14,11 @@ order, in one job, because chapter 7 reads chapter 2's checkpoint.
     python -m capslib.spread --rebound    # bounds moved in the notebooks: re-judge the same values
 
 Measurements merge into the existing file (a run replaces the values of its own seed,
-thread count and chapters), so the table can be refreshed a chapter at a time.
+thread count, processor and chapters), so the table can be refreshed a chapter at a time. Each
+run records its processor (:func:`cpu_name`): processors can differ in the last bits of a
+computation, and a training carries such a difference to another outcome, so runs of the same
+seed on two processors are two measurements, both kept. Runs measured before processors were
+recorded (2026-11-23) have none.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .claims import margin, read_log
+from .session import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "book"
@@ -48,8 +53,9 @@ def chapters() -> list[Path]:
     return sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
 
 
-def run_key(seed: int, threads: int) -> str:
-    return f"seed {seed}, {threads} thread{'s' if threads > 1 else ''}"
+def run_key(seed: int, threads: int, cpu: str | None = None) -> str:
+    """A run's name: seed, thread count and, for runs that recorded it, the processor."""
+    return f"seed {seed}, {threads} thread{'s' if threads > 1 else ''}" + (f", {cpu}" if cpu else "")
 
 
 def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> dict:
@@ -153,7 +159,8 @@ def stats(name: str, path: Path = SPREAD_FILE) -> dict:
 
 def glue_claim(key: str, name: str, path: Path = SPREAD_FILE) -> dict:
     """Glue a claim's spread for the chapter's prose (myst-nb): ``<key>_mean``, ``_sd``, ``_min``,
-    ``_max``, ``_limit`` (floats) and ``_runs``, ``_seeds`` (ints); returns the stats."""
+    ``_max``, ``_limit`` (floats) and ``_runs``, ``_seeds``, ``_processors`` (ints: processor types, a run
+    without a recorded one counting as one); returns the stats."""
     from myst_nb import glue
 
     d = stats(name, path)
@@ -162,6 +169,7 @@ def glue_claim(key: str, name: str, path: Path = SPREAD_FILE) -> dict:
         glue(f"{key}_{field}", float(value), display=False)
     glue(f"{key}_runs", int(d["n"]), display=False)
     glue(f"{key}_seeds", int(d["seeds"]), display=False)
+    glue(f"{key}_processors", int(d.get("processors", 1)), display=False)
     return d
 
 
@@ -189,8 +197,9 @@ def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: i
     # read the file only now: another measurement may have merged into it meanwhile
     table = json.loads(path.read_text()) if path.exists() else {}
     runs = table.setdefault("runs", {})
+    cpu = cpu_name()
     for (seed, t), by_chapter in results:
-        entry = runs.setdefault(run_key(seed, t), {"seed": seed, "threads": t, "chapters": {}})
+        entry = runs.setdefault(run_key(seed, t, cpu), {"seed": seed, "threads": t, "cpu": cpu, "chapters": {}})
         for chapter, res in by_chapter.items():
             entry["chapters"][chapter] = dict(res, torch=torch.__version__, lock=_lock_digest(),
                                               measured=time.strftime("%Y-%m-%d %H:%M"), jobs=jobs,
@@ -203,6 +212,7 @@ def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: i
         if not chs:
             del runs[key]
     table["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
+    table.setdefault("processors", {})[cpu] = time.strftime("%Y-%m-%d %H:%M")
     table["claims"] = summarise(runs)
     _write(table, path)
     return table
@@ -232,9 +242,15 @@ def summarise(runs: dict) -> dict:
                  worst_run=worst, worst_value=d["values"][worst], worst_margin=margins[worst],
                  holds_in_every_run=all(m > 0 or (m == 0 and d["bound"] in ("at_least", "at_most"))
                                         for m in margins.values()))
-        pairs = [(runs[k]["seed"], runs[k]["threads"], v) for k, v in d["values"].items()]
-        diffs = [abs(v1 - v2) for s1, t1, v1 in pairs for s2, t2, v2 in pairs if s1 == s2 and t1 < t2]
+        runs_of = [(runs[k]["seed"], runs[k]["threads"], runs[k].get("cpu"), v) for k, v in d["values"].items()]
+        diffs = [abs(v1 - v2) for s1, t1, c1, v1 in runs_of for s2, t2, c2, v2 in runs_of
+                 if s1 == s2 and c1 == c2 and t1 < t2]
         d["max_thread_difference"] = max(diffs) if diffs else None
+        # the same seed and thread count on two processors (a run without a recorded one counts as one)
+        across = [abs(v1 - v2) for s1, t1, c1, v1 in runs_of for s2, t2, c2, v2 in runs_of
+                  if s1 == s2 and t1 == t2 and str(c1) < str(c2)]
+        d["processors"] = len({c for _, _, c, _ in runs_of})
+        d["max_processor_difference"] = max(across) if across else None
     return dict(sorted(by_claim.items()))
 
 
@@ -285,15 +301,17 @@ def digest_at(rev: str, nb_path: Path) -> str:
 def markdown(table: dict) -> str:
     """The table as Markdown (one row per claim), for the README."""
     words = {"above": ">", "at_least": "≥", "below": "<", "at_most": "≤"}
-    rows = ["| claim | bound | runs (seeds) | mean ± sd | worst run | worst margin | 1 vs 2 threads, max diff |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| claim | bound | runs (seeds, processors) | mean ± sd | worst run | worst margin | "
+            "1 vs 2 threads, max diff | between processors, max diff |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, d in table["claims"].items():
         thr = d.get("max_thread_difference")
         shown = name.replace("|", r"\|")  # a literal bar would end the Markdown cell
-        rows.append(f"| {shown} | {words[d['bound']]} {d['limit']:g} | {d['n']} ({d['seeds']}) | "
+        cpu = d.get("max_processor_difference")
+        rows.append(f"| {shown} | {words[d['bound']]} {d['limit']:g} | {d['n']} ({d['seeds']}, {d.get('processors', 1)}) | "
                     f"{d['mean']:.4g} ± {d['std']:.2g} | {d['worst_value']:.4g} ({d['worst_run']}) | "
                     f"{d['worst_margin']:.3g}{'' if d['holds_in_every_run'] else ' **fails**'} | "
-                    f"{'—' if thr is None else f'{thr:.2g}'} |")
+                    f"{'—' if thr is None else f'{thr:.2g}'} | {'—' if cpu is None else f'{cpu:.2g}'} |")
     return "\n".join(rows)
 
 

@@ -53,7 +53,28 @@ def test_summarise_finds_the_worst_run_and_thread_differences():
     assert d["worst_run"] == "seed 1, 2 threads" and d["worst_margin"] == pytest.approx(0.01)
     assert d["n"] == 3 and d["seeds"] == 2 and d["holds_in_every_run"]
     assert d["max_thread_difference"] == pytest.approx(0.01)
-    assert "| acc | ≥ 0.9 | 3 (2) |" in spread.markdown({"claims": {"acc": d}})
+    assert "| acc | ≥ 0.9 | 3 (2, 1) |" in spread.markdown({"claims": {"acc": d}})
+    assert d["processors"] == 1 and d["max_processor_difference"] is None
+
+
+def test_summarise_keeps_processors_apart():
+    cpu = "Some CPU, AVX2 kernels"
+    runs = {
+        "seed 0, 2 threads": {"seed": 0, "threads": 2, "chapters": {"02": {"claims": [
+            {"name": "acc", "value": 0.95, "bound": "at_least", "limit": 0.9}]}}},
+        spread.run_key(0, 2, cpu): {"seed": 0, "threads": 2, "cpu": cpu, "chapters": {"02": {"claims": [
+            {"name": "acc", "value": 0.93, "bound": "at_least", "limit": 0.9}]}}},
+        spread.run_key(0, 1, cpu): {"seed": 0, "threads": 1, "cpu": cpu, "chapters": {"02": {"claims": [
+            {"name": "acc", "value": 0.935, "bound": "at_least", "limit": 0.9}]}}},
+    }
+    assert spread.run_key(0, 1, cpu) == "seed 0, 1 thread, Some CPU, AVX2 kernels"
+    d = spread.summarise(runs)["acc"]
+    assert d["n"] == 3 and d["seeds"] == 1 and d["processors"] == 2
+    # threads compared on one processor only; the processors compared at the same seed and threads
+    assert d["max_thread_difference"] == pytest.approx(0.005)
+    assert d["max_processor_difference"] == pytest.approx(0.02)
+    assert d["worst_run"] == spread.run_key(0, 2, cpu)
+    assert spread.cpu_name().endswith(" kernels")
 
 
 def _notebook_claims() -> dict[str, tuple[str, str, float]]:

@@ -159,17 +159,23 @@ def stats(name: str, path: Path = SPREAD_FILE) -> dict:
 
 def glue_claim(key: str, name: str, path: Path = SPREAD_FILE) -> dict:
     """Glue a claim's spread for the chapter's prose (myst-nb): ``<key>_mean``, ``_sd``, ``_min``,
-    ``_max``, ``_limit`` (floats) and ``_runs``, ``_seeds``, ``_processors`` (ints: processor types, a run
-    without a recorded one counting as one); returns the stats."""
+    ``_max``, ``_limit`` (floats); ``_runs``, ``_seeds``, ``_processors`` (ints: processor types, a run
+    without a recorded one counting as one) and ``_distinct`` (how many different values the runs
+    gave: runs of one seed that agree exactly count once); ``_processor_types`` (text, "1 processor
+    type" or "2 processor types"). Returns the stats, with ``distinct`` added."""
     from myst_nb import glue
 
-    d = stats(name, path)
+    d = dict(stats(name, path))
+    d["distinct"] = len({float(f"{v:.12g}") for v in dict(d["values"]).values()})
     for field, value in (("mean", d["mean"]), ("sd", d["std"]), ("min", d["min"]), ("max", d["max"]),
                          ("limit", d["limit"])):
         glue(f"{key}_{field}", float(value), display=False)
     glue(f"{key}_runs", int(d["n"]), display=False)
     glue(f"{key}_seeds", int(d["seeds"]), display=False)
-    glue(f"{key}_processors", int(d.get("processors", 1)), display=False)
+    processors = int(d.get("processors", 1))
+    glue(f"{key}_processors", processors, display=False)
+    glue(f"{key}_processor_types", f"{processors} processor type{'' if processors == 1 else 's'}", display=False)
+    glue(f"{key}_distinct", d["distinct"], display=False)
     return d
 
 

@@ -77,6 +77,27 @@ def test_summarise_keeps_processors_apart():
     assert spread.cpu_name().endswith(" kernels")
 
 
+def test_glue_claim_glues_the_spread_and_counts_distinct_values(tmp_path, monkeypatch):
+    import myst_nb
+
+    cpu = "Some CPU, AVX2 kernels"
+    runs = {spread.run_key(s, t, c): {"seed": s, "threads": t, **({"cpu": c} if c else {}), "chapters": {
+        "03": {"claims": [{"name": "share", "value": v, "bound": "above", "limit": 0.8}]}}}
+        for (s, t, c), v in {(0, 2, None): 1.0, (0, 1, None): 1.0, (1, 2, None): 0.9, (1, 2, cpu): 0.9}.items()}
+    path = tmp_path / "spread.json"
+    path.write_text(json.dumps({"runs": runs, "claims": spread.summarise(runs)}))
+    glued = {}
+    monkeypatch.setattr(myst_nb, "glue", lambda name, value, display=True: glued.__setitem__(name, value))
+    d = spread.glue_claim("k", "share", path)
+    assert d["distinct"] == 2 and glued["k_distinct"] == 2 and glued["k_runs"] == 4 and glued["k_seeds"] == 2
+    assert glued["k_processors"] == 2 and glued["k_processor_types"] == "2 processor types"
+    assert glued["k_min"] == pytest.approx(0.9) and glued["k_limit"] == pytest.approx(0.8)
+    one = {k: v for k, v in runs.items() if "cpu" not in v}
+    path.write_text(json.dumps({"runs": one, "claims": spread.summarise(one)}))
+    spread.glue_claim("k", "share", path)
+    assert glued["k_processor_types"] == "1 processor type" and glued["k_distinct"] == 2
+
+
 def _notebook_claims() -> dict[str, tuple[str, str, float]]:
     """Every claims.check(...) call in the chapters: name -> (notebook, bound, limit)."""
     return {k: (d["chapter"], d["bound"], d["limit"]) for k, d in spread.notebook_claims().items()}

@@ -135,6 +135,9 @@ def test_results_record_roundtrip(tmp_path, monkeypatch):
     payload = json.loads(path.read_text())
     assert payload["metrics"] == {"acc": 0.5, "curve": [1.0, 2.0]}
     assert payload["profile"] == "ci" and "torch" in payload and "device" in payload
+    if not torch.cuda.is_available():  # the processor, as setup() prints it, and a thread count
+        from capslib.session import cpu_name
+        assert payload["device"].startswith(f"cpu ({cpu_name()}, ") and payload["device"].endswith(("thread)", "threads)"))
     assert results.load("99_test")["metrics"]["acc"] == 0.5
 
 

@@ -47,7 +47,7 @@ def _plain(value):
 
 def record(chapter: str, metrics: dict, profile: str | None = None) -> Path:
     """Write ``metrics`` of ``chapter`` for the active profile; returns the file written."""
-    from .session import cpu_name, current_session
+    from .session import cpu_label, current_session
 
     if not isinstance(metrics, dict) or not metrics:
         raise ValueError("metrics must be a non-empty dict of name -> value")
@@ -55,9 +55,7 @@ def record(chapter: str, metrics: dict, profile: str | None = None) -> Path:
 
     sess = current_session()
     profile = profile or profiles.storage_name(sess.profile)
-    threads = torch.get_num_threads()
-    dev = torch.cuda.get_device_name(sess.device) if sess.device.type == "cuda" else (
-        f"cpu ({cpu_name()}, {threads} thread{'' if threads == 1 else 's'})")
+    dev = torch.cuda.get_device_name(sess.device) if sess.device.type == "cuda" else f"cpu ({cpu_label()})"
     payload = {
         "chapter": chapter,
         "profile": profile,

@@ -100,6 +100,13 @@ def cpu_name() -> str:
     return f"{model or platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()} kernels"
 
 
+def cpu_label(threads: int | None = None) -> str:
+    """``"<cpu_name()>, N threads"`` (``threads`` defaults to torch's): the CPU as :func:`setup` prints it
+    and :func:`capslib.results.record` stores it."""
+    n = torch.get_num_threads() if threads is None else threads
+    return f"{cpu_name()}, {n} thread{'' if n == 1 else 's'}"
+
+
 def retina_figures() -> bool:
     """In a Jupyter kernel, show matplotlib figures as retina PNGs: drawn at twice the figure's dpi,
     with the figure's size in CSS pixels in the output's metadata (myst-nb writes it as the image's
@@ -166,7 +173,7 @@ def setup(seed: int | None = None, device: str | torch.device | None = None, qui
         torch.backends.cudnn.benchmark = True
         name = torch.cuda.get_device_name(dev)
     else:
-        name = f"{cpu_name()}, {torch.get_num_threads()} threads"
+        name = cpu_label()
     retina_figures()
     sess = Session(profile=profile, device=dev, seed=seed, started=time.time())
     _STATE["session"] = sess

@@ -166,7 +166,7 @@ def glue_claim(key: str, name: str, path: Path = SPREAD_FILE) -> dict:
     from myst_nb import glue
 
     d = dict(stats(name, path))
-    d["distinct"] = len({float(f"{v:.12g}") for v in dict(d["values"]).values()})
+    d["distinct"] = len({float(f"{v:.12g}") for v in d["values"].values()})
     for field, value in (("mean", d["mean"]), ("sd", d["std"]), ("min", d["min"]), ("max", d["max"]),
                          ("limit", d["limit"])):
         glue(f"{key}_{field}", float(value), display=False)

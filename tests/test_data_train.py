@@ -136,8 +136,9 @@ def test_results_record_roundtrip(tmp_path, monkeypatch):
     assert payload["metrics"] == {"acc": 0.5, "curve": [1.0, 2.0]}
     assert payload["profile"] == "ci" and "torch" in payload and "device" in payload
     if not torch.cuda.is_available():  # the processor, as setup() prints it, and a thread count
-        from capslib.session import cpu_name
-        assert payload["device"].startswith(f"cpu ({cpu_name()}, ") and payload["device"].endswith(("thread)", "threads)"))
+        from capslib.session import cpu_label, cpu_name
+        assert payload["device"] == f"cpu ({cpu_label()})" and payload["device"].startswith(f"cpu ({cpu_name()}, ")
+        assert cpu_label(1).endswith(", 1 thread") and cpu_label(2).endswith(", 2 threads")
     assert results.load("99_test")["metrics"]["acc"] == 0.5
 
 

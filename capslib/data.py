@@ -330,6 +330,50 @@ def expand(x: torch.Tensor, size: int = 40, max_shift: int = 6, seed: int = 0) -
     return out.permute(0, 3, 1, 2).contiguous()
 
 
+def random_shift(x: torch.Tensor, max_shift: int = 2, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sabour et al.'s training augmentation (Sec. 5): every image moved by its own integer offset,
+    drawn uniformly from ``[-max_shift, max_shift]`` along each axis, the uncovered border filled
+    with zeros; the size stays ``(H, W)``. One gather for the whole batch, on ``x``'s device, no
+    host synchronisation; ``generator`` must live on that device."""
+    if x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating (B, C, H, W) tensor; got {x.dtype} of shape {tuple(x.shape)}")
+    if not isinstance(max_shift, int) or max_shift < 0:
+        raise ValueError(f"max_shift must be an int >= 0; got {max_shift!r}")
+    if max_shift == 0:
+        return x
+    B, C, H, W = x.shape
+    if max_shift >= min(H, W):
+        raise ValueError(f"max_shift={max_shift} would move a {H}x{W} image off itself; at most {min(H, W) - 1}")
+    offsets = torch.randint(0, 2 * max_shift + 1, (B, 2), device=x.device, generator=generator)
+    padded = F.pad(x, (max_shift, max_shift, max_shift, max_shift))
+    # output pixel (r, c) reads padded (r + max_shift - dy, c + max_shift - dx), with dy = offset - max_shift
+    rows = torch.arange(H, device=x.device)[None, :] + (2 * max_shift - offsets[:, :1])
+    cols = torch.arange(W, device=x.device)[None, :] + (2 * max_shift - offsets[:, 1:])
+    n = torch.arange(B, device=x.device)[:, None, None]
+    out = padded.permute(0, 2, 3, 1)[n, rows[:, :, None], cols[:, None, :]]
+    return out.permute(0, 3, 1, 2).contiguous()
+
+
+class RandomShift:
+    """:func:`random_shift` as a training-time augmentation for :func:`capslib.train.fit`: seeded,
+    its generator made on the first batch's device (so a run draws the same offsets wherever its
+    batches live on that kind of device)."""
+
+    def __init__(self, max_shift: int = 2, seed: int = 0):
+        if not isinstance(max_shift, int) or max_shift < 0:
+            raise ValueError(f"max_shift must be an int >= 0; got {max_shift!r}")
+        self.max_shift, self.seed = max_shift, int(seed)
+        self._gen: torch.Generator | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gen is None or self._gen.device != x.device:
+            self._gen = torch.Generator(device=x.device).manual_seed(self.seed)
+        return random_shift(x, self.max_shift, self._gen)
+
+    def __repr__(self) -> str:
+        return f"RandomShift(max_shift={self.max_shift}, seed={self.seed})"
+
+
 def affine(x: torch.Tensor, size: int = 40, seed: int = 0, rotation: float = 20.0,
            shear: tuple[float, float] = (0.1, 0.2), scale: tuple[float, float] = (0.8, 1.2),
            max_shift: float = 4.0) -> torch.Tensor:

@@ -152,7 +152,7 @@ def _code_digest(objects) -> str:
 def run_fingerprint(model: nn.Module, train: Split, optimizer: torch.optim.Optimizer, *, loss_fn: Callable,
                     batch_size: int, lr_decay: float | None, seed: int, amp: bool,
                     before_step: Callable | None = None, on_epoch_end: Callable | None = None,
-                    config: dict | None = None) -> dict:
+                    config: dict | None = None, augment: Callable | None = None) -> dict:
     """What decides a training run, epochs apart (a longer run of the same configuration
     continues a shorter one): the model's class and starting state (which covers its sizes,
     its seed and any warm start), optimiser and its settings, batch size, learning-rate decay,
@@ -174,8 +174,9 @@ def run_fingerprint(model: nn.Module, train: Split, optimizer: torch.optim.Optim
         "loss": _describe_callable(loss_fn),
         "before_step": _describe_callable(before_step),
         "on_epoch_end": _describe_callable(on_epoch_end),
+        **({"augment": _describe_callable(augment)} if augment is not None else {}),
         "config": json.loads(json.dumps(config, sort_keys=True, default=str)) if config else None,
-        "code": _code_digest([model, *model.modules(), loss_fn, before_step, on_epoch_end]),
+        "code": _code_digest([model, *model.modules(), loss_fn, before_step, on_epoch_end, augment]),
         "torch": str(torch.__version__),
     }
 
@@ -290,6 +291,7 @@ def fit(
     eval_batch_size: int = 500,
     compile: bool | None = None,
     compile_backend: str = "inductor",
+    augment: Callable | None = None,
 ) -> dict:
     """Train ``model`` for ``epochs`` epochs; resume from ``checkpoint`` if it exists.
 
@@ -310,6 +312,8 @@ def fit(
         compile: train through ``torch.compile(model, backend=compile_backend)`` (default: when
             ``$CAPSBOOK_COMPILE`` is set, see :func:`capslib.profiles.compile_requested`). Off by
             default: the book's timings are eager. Checkpoints hold the plain model's weights.
+        augment: ``augment(x) -> x`` applied to every training batch before the forward pass (e.g.
+            :class:`capslib.data.RandomShift`, the paper's shifts); it joins the fingerprint.
         seed: seeds the minibatch permutations (default: the session's seed, ``capslib.setup``).
         Time limit: with ``$CAPSBOOK_TIME_LIMIT`` set and a ``checkpoint``, a run that has used up
             that many seconds since ``capslib.setup()`` raises :class:`TimeLimitReached` after
@@ -351,7 +355,7 @@ def fit(
     if checkpoint is not None:
         fingerprint = run_fingerprint(model, train, optimizer, loss_fn=loss_fn, batch_size=batch_size,
                                       lr_decay=lr_decay, seed=seed, amp=amp, before_step=before_step,
-                                      on_epoch_end=on_epoch_end, config=config)
+                                      on_epoch_end=on_epoch_end, config=config, augment=augment)
         state, source = _resumable(Path(checkpoint), start_from, fingerprint, epochs, device)
         if state is not None:
             model.load_state_dict(state["model"])
@@ -397,6 +401,8 @@ def fit(
         for s in bar:
             idx = perm[s * batch_size:(s + 1) * batch_size]
             xb, yb = train.x[idx], train.y[idx]
+            if augment is not None:
+                xb = augment(xb)
             with _autocast(device, amp):
                 loss, scores = loss_fn(step_model, xb, yb)
             loss_d = loss.detach()

@@ -1,0 +1,258 @@
+"""Chapter 2's experiment units (Sabour et al. 2017 at paper scale).
+
+- ``02/main/s<k>``: the paper's CapsNet (3 routing iterations, reconstruction loss) trained on 55,000
+  MNIST digits with the paper's augmentation (shifts of up to 2 px each way, zero padding); test
+  error on the 10,000 test digits, and what the chapter's figures need: couplings on test digits,
+  reconstructions, the per-dimension perturbation grid, the misclassified digits. It is also the
+  "3 iterations, reconstruction" cell of Table 1.
+- ``02/table1/<cell>/s<k>``: the other CapsNet cells of Table 1 (1 or 3 iterations, with or without
+  the reconstruction loss), same data, schedule and augmentation.
+- ``02/baseline/s<k>``: Sabour's baseline CNN (three 5x5 convolutions of 256, 256, 128 channels,
+  fully connected 328 and 192, dropout, softmax), same data, schedule and augmentation.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import data, models, paper, train
+from ..ops import margin_loss
+from .units import Unit, encode_array, register
+
+FULL_TRAIN = 55_000
+SEEDS = (0, 1, 2)
+# The schedule of every chapter-2 unit: the book's full recipe (Adam, exponential decay per epoch),
+# paper-length training, the paper's shift augmentation; float32 with TF32 matrix products on a GPU
+# (measured faster than bf16 autocast for this network, 2026-11).
+SCHEDULE = dict(dataset="mnist", epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96, max_shift=2,
+                precision="float32, TF32 matmul")
+CAPSNET = dict(conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16, decoder=[512, 1024])
+# Smoke runs (CPU tests, rehearsals): the same code on the embedded digits, tiny widths, one epoch.
+SMOKE = dict(dataset="embedded", epochs=1, batch_size=32, train=256, test=200,
+             capsnet=dict(conv_channels=8, primary_types=2, primary_dim=8, digit_dim=16, decoder=[32, 64]),
+             cnn=dict(widths=(8, 8, 4), hidden=(16, 12)))
+TABLE1_CELLS = {"r1-norecon": (1, False), "r1-recon": (1, True), "r3-norecon": (3, False)}
+
+
+class BaselineCNN(nn.Module):
+    """Sabour et al.'s baseline (Sec. 5): three 5x5 stride-1 convolutions (256, 256, 128 channels,
+    'same' padding, ReLU), fully connected layers of 328 and 192 (ReLU), dropout, a 10-way linear
+    layer scored by softmax cross-entropy. At these sizes it has 35.4M parameters, as the paper says."""
+
+    def __init__(self, widths=(256, 256, 128), hidden=(328, 192), image_size: int = 28, num_classes: int = 10,
+                 dropout: float = 0.5):
+        super().__init__()
+        layers, c = [], 1
+        for w in widths:
+            layers += [nn.Conv2d(c, w, 5, padding=2), nn.ReLU(inplace=True)]
+            c = w
+        self.features = nn.Sequential(*layers)
+        sizes = [c * image_size * image_size, *hidden]
+        head: list[nn.Module] = [nn.Flatten()]
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            head += [nn.Linear(a, b), nn.ReLU(inplace=True)]
+        head += [nn.Dropout(dropout), nn.Linear(sizes[-1], num_classes)]
+        self.head = nn.Sequential(*head)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def _recon_weight() -> float:
+    return paper.value("sabour_recon_weight")
+
+
+def capsnet_step(recon_weight: float):
+    """The training loss of a CapsNet cell: margin loss plus, when ``recon_weight`` > 0, the weighted
+    reconstruction loss (without it the decoder is not run)."""
+    def step(model, x, y):
+        if recon_weight > 0:
+            out = model(x, y)
+            return models.capsnet_loss(out, x, y, recon_weight=recon_weight), out.lengths
+        v, _ = model.encode(x)
+        lengths = v.norm(dim=-1)
+        return margin_loss(lengths.float(), y), lengths
+    return step
+
+
+def cnn_step(model, x, y):
+    scores = model(x)
+    return F.cross_entropy(scores.float(), y), scores.detach()
+
+
+def _build(unit: Unit, smoke: bool) -> nn.Module:
+    cfg = unit.config
+    if cfg["model"] == "cnn":
+        return BaselineCNN(**SMOKE["cnn"]) if smoke else BaselineCNN()
+    sizes = SMOKE["capsnet"] if smoke else cfg["capsnet"]
+    return models.CapsNet(conv_channels=sizes["conv_channels"], primary_types=sizes["primary_types"],
+                          primary_dim=sizes["primary_dim"], digit_dim=sizes["digit_dim"],
+                          decoder=tuple(sizes["decoder"]), iterations=cfg["iterations"])
+
+
+def _step(unit: Unit):
+    cfg = unit.config
+    return cnn_step if cfg["model"] == "cnn" else capsnet_step(_recon_weight() if cfg["recon"] else 0.0)
+
+
+def probe(unit: Unit) -> dict:
+    """One training step of the unit's network at full size in float64 on the CPU (seed 0, four
+    seeded random images, the unit's augmentation and loss): loss and per-parameter gradient norms."""
+    torch.manual_seed(0)
+    net = _build(unit, smoke=False).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(4, 1, 28, 28, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 3, 7, 9])
+    x = data.RandomShift(unit.config["max_shift"], seed=0)(x)
+    loss, _ = _step(unit)(net, x, y)
+    loss.backward()
+    out = {"loss": loss.item(), "x_sum": x.sum().item()}
+    for name, p in net.named_parameters():
+        if p.grad is not None:
+            out[f"grad:{name}"] = p.grad.norm().item()
+    return out
+
+
+def _to_uint8(x: torch.Tensor) -> torch.Tensor:
+    return (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+@torch.no_grad()
+def _capsnet_arrays(net: models.CapsNet, test: data.Split, n_couplings: int) -> tuple[dict, dict]:
+    """Coupling statistics on test digits, reconstructions, the perturbation grid, misclassified digits."""
+    net.eval()
+    metrics, arrays = {}, {}
+    x, y = test.x[:n_couplings], test.y[:n_couplings]
+    out = net(x)
+    c = out.couplings.float()                                   # (B, I, J)
+    J = c.shape[-1]
+    pred = out.lengths.argmax(dim=1)
+    ent = -(c.clamp_min(1e-12) * c.clamp_min(1e-12).log2()).sum(-1)  # (B, I) bits
+    arrays["coupling_hist"] = encode_array(torch.histc(c, bins=50, min=0, max=1))
+    arrays["coupling_entropy_hist"] = encode_array(torch.histc(ent, bins=50, min=0, max=math.log2(J)))
+    to_pred = c.gather(2, pred[:, None, None].expand(-1, c.shape[1], 1)).squeeze(-1)   # (B, I)
+    metrics["coupling"] = {
+        "digits": int(len(x)), "parents": J, "uniform": 1 / J, "uniform_entropy_bits": math.log2(J),
+        "mean_entropy_bits": float(ent.mean()), "mean_max": float(c.max(-1).values.mean()),
+        "mean_to_predicted": float(to_pred.mean()), "max_to_predicted": float(to_pred.max()),
+        "fraction_max_above_half": float((c.max(-1).values > 0.5).float().mean()),
+    }
+    # two test digits of each class and their reconstructions (from the longest capsule)
+    idx = torch.cat([(test.y == k).nonzero()[:2, 0] for k in range(net.num_classes)])
+    o = net(test.x[idx])
+    arrays["recon_labels"] = encode_array(test.y[idx], "int64")
+    arrays["recon_predicted"] = encode_array(o.lengths.argmax(1), "int64")
+    arrays["recon_input"] = encode_array(_to_uint8(test.x[idx, 0]), "uint8")
+    arrays["recon_output"] = encode_array(_to_uint8(o.reconstruction[:, 0]), "uint8")
+    # perturbation grid (Fig. 4): every dimension of the first test digit's class capsule moved by
+    # the paper's steps over the paper's range
+    step, top = paper.value("sabour_perturb_step"), paper.value("sabour_perturb_range")
+    offsets = torch.arange(-round(top / step), round(top / step) + 1, device=x.device) * step
+    v, _ = net.encode(test.x[:1])
+    label = v.norm(dim=-1).argmax(1)
+    D = v.shape[-1]
+    grid = v.repeat(D * len(offsets), 1, 1)                     # (D*K, J, D)
+    rows = torch.arange(D, device=x.device).repeat_interleave(len(offsets))
+    grid[torch.arange(len(grid)), label.item(), rows] += offsets.repeat(D).to(grid.dtype)
+    img = net.decode(grid, label.expand(len(grid)))
+    arrays["perturb_offsets"] = encode_array(offsets)
+    arrays["perturb_grid"] = encode_array(_to_uint8(img[:, 0]).view(D, len(offsets), *img.shape[-2:]), "uint8")
+    arrays["perturb_label"] = encode_array(label, "int64")
+    return metrics, arrays
+
+
+def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
+    """Train the unit's network (see the module's docstring) and measure it."""
+    cfg = unit.config
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    splits = data.load(SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=0)
+    tr, val, test = splits["train"], splits["val"], splits["test"]
+    epochs = SMOKE["epochs"] if smoke else cfg["epochs"]
+    batch = SMOKE["batch_size"] if smoke else cfg["batch_size"]
+    if smoke:
+        tr, test = tr.subset(SMOKE["train"], seed=unit.seed), test.subset(SMOKE["test"])
+    torch.manual_seed(unit.seed)
+    net = _build(unit, smoke).to(device)
+    best = {"val": -1.0, "epoch": 0, "state": None}
+
+    def keep_best(epoch, model, history):  # the weights of the best validation epoch, kept in memory
+        if history["val_acc"][-1] > best["val"]:
+            best.update(val=history["val_acc"][-1], epoch=epoch + 1,
+                        state=copy.deepcopy({k: t.detach().clone() for k, t in model.state_dict().items()}))
+
+    history = train.fit(net, tr, _step(unit), epochs=epochs, batch_size=batch, lr=cfg["lr"],
+                        lr_decay=cfg["lr_decay"], val=val, seed=unit.seed, amp=False, progress=False,
+                        augment=data.RandomShift(cfg["max_shift"], seed=unit.seed), on_epoch_end=keep_best,
+                        eval_batch_size=1000, desc=unit.key)
+    final = train.evaluate(net, test, batch_size=1000)
+    with torch.no_grad():
+        net.eval()
+        preds = torch.cat([train.scores_of(net(test.x[i:i + 1000])).argmax(1) for i in range(0, len(test), 1000)])
+        wrong = (preds != test.y).nonzero()[:, 0]
+        wrong_idx = wrong[:100]
+    metrics = {
+        "test_accuracy": final, "test_error": 1 - final, "test_images": len(test),
+        "test_errors": int(len(wrong)),
+        "final_val_accuracy": history["val_acc"][-1], "epochs": epochs, "train_images": len(tr),
+        "params": models.count_parameters(net),
+        "images_per_s_median": float(np.median(history["images_per_s"])),
+        "seconds_per_epoch_median": train.seconds_per_epoch(history),
+        "sharing_gpu": int(os.environ.get("CAPSBOOK_SHARING", "1") or 1),
+    }
+    arrays = {"wrong_index": encode_array(wrong_idx, "int64"), "wrong_predicted": encode_array(preds[wrong_idx], "int64"),
+              "wrong_label": encode_array(test.y[wrong_idx], "int64")}
+    final_state = {k: t.detach().clone() for k, t in net.state_dict().items()}
+    if best["state"] is not None:
+        net.load_state_dict(best["state"])
+        metrics["best_val_epoch"] = best["epoch"]
+        metrics["best_val_accuracy"] = best["val"]
+        metrics["test_accuracy_at_best_val"] = train.evaluate(net, test, batch_size=1000)
+        net.load_state_dict(final_state)
+    if cfg["model"] == "capsnet" and cfg["recon"]:
+        m, a = _capsnet_arrays(net, test, n_couplings=min(2000, len(test)))
+        metrics.update(m)
+        arrays.update(a)
+    elif cfg["model"] == "capsnet":
+        with torch.no_grad():
+            net.eval()
+            _, c = net.encode(test.x[:min(2000, len(test))])
+            c = c.float()
+            ent = -(c.clamp_min(1e-12) * c.clamp_min(1e-12).log2()).sum(-1)
+            metrics["coupling"] = {"mean_entropy_bits": float(ent.mean()), "uniform_entropy_bits": math.log2(c.shape[-1]),
+                                   "mean_max": float(c.max(-1).values.mean())}
+    hist = {k: v for k, v in history.items() if isinstance(v, list)}
+    return {"metrics": metrics, "history": hist, "arrays": arrays}
+
+
+def _images(epochs: int) -> int:
+    return epochs * FULL_TRAIN
+
+
+def _register() -> None:
+    base = {**SCHEDULE}
+    main_cfg = {**base, "model": "capsnet", "iterations": 3, "recon": True, "capsnet": CAPSNET}
+    for s in SEEDS:
+        register(Unit("02", "main", s, run, main_cfg, probe, "capsnet28", _images(base["epochs"]), 10 + s,
+                      "the paper's CapsNet with shifts, paper length: test error; couplings, reconstructions"))
+    for s in SEEDS:
+        register(Unit("02", "baseline", s, run, {**base, "model": "cnn"}, probe, "cnn28", _images(base["epochs"]),
+                      20 + 10 * s, "Sabour's baseline CNN (35.4M parameters), same schedule and shifts"))
+    for i, (cell, (iters, recon)) in enumerate(TABLE1_CELLS.items()):
+        for s in SEEDS:
+            register(Unit("02", f"table1/{cell}", s, run,
+                          {**base, "model": "capsnet", "iterations": iters, "recon": recon, "capsnet": CAPSNET},
+                          probe, "capsnet28", _images(base["epochs"]), 30 + 10 * s + i,
+                          f"Table 1 cell: {iters} routing iteration{'s' * (iters > 1)}, "
+                          f"reconstruction {'on' if recon else 'off'}"))
+
+
+_register()

@@ -1,0 +1,293 @@
+"""Experiment units: paper scale as many small, complete trainings whose results are committed.
+
+GPU time comes in short allocations on machines that start bare and forget everything, so a
+paper-scale experiment is cut into **units**, each one complete training (a chapter, a name, a
+seed: ``02/main/s0``) that finishes in a few minutes on one GPU. A finished unit writes
+``book/results/full/<chapter>/<name>/s<seed>.json``: its metrics, per-epoch history, small arrays
+for the chapter's figures (never weights), the configuration, a fingerprint, the device, torch
+version, commit and wall time. Results accumulate, allocation after allocation; chapters draw their
+paper-scale figures from these files, so the full edition builds on a CPU.
+
+**Fingerprints.** A result is *current* when the fingerprint stored in it equals the unit's
+fingerprint now; otherwise it is *stale* and reported as such. The fingerprint hashes the unit's
+configuration and a **computational probe**: one seeded training step of the unit's own network,
+loss and augmentation at its full size, in float64 on the CPU, its loss and per-parameter gradient
+norms rounded to 9 significant digits. Code that moves between modules or gains a comment keeps its
+results; code that changes what a training computes makes them stale. What the probe cannot see
+(epochs, batch size, learning-rate schedule, data) is in the configuration.
+
+A unit's ``run(unit, device, smoke)`` returns ``{"metrics": {...}, "history": {...}, "arrays": {...}}``;
+``smoke=True`` shrinks it to seconds (results under ``full-smoke/``, git-ignored).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import json
+import math
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+# ``$CAPSBOOK_UNITS_RESULTS`` redirects where results are written and read (tests use a temporary folder)
+RESULTS_ROOT = Path(os.environ.get("CAPSBOOK_UNITS_RESULTS", "").strip() or ROOT / "book" / "results")
+
+# Chapters whose units are declared in ``capslib.book.ch<NN>`` (imported on first use).
+CHAPTERS = ("02",)
+
+# Training images per second of one unit alone in ``capslib.train.fit`` on one H100, by network family,
+# used to project a unit's minutes before any result of that family exists (afterwards the median
+# measured rate of its committed results is used). capsnet28: about 14,000 (the paper's CapsNet, one
+# training alone in fit, H100, 2026-11). cnn28: Sabour's 35.4M-parameter baseline, an estimate from
+# its FLOPs (about 8 GFLOP per image forward and backward at about 100 TFLOP/s), not yet measured.
+RATES_H100 = {"capsnet28": 14_000.0, "cnn28": 12_000.0}
+# Each training's share of its rate when k trainings share one GPU (images/s of each over images/s of
+# one alone). k = 2, 3 from the H200 (12,000 and 9,300 each against about 14,000 alone); 4 extrapolated.
+SHARE = {1: 1.0, 2: 0.86, 3: 0.66, 4: 0.52}
+STARTUP_SECONDS = 25.0   # interpreter, CUDA context, data onto the device
+PROBE_DIGITS = 9
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One complete training: ``chapter`` ("02"), ``name`` ("main", "table1/r3-recon"), ``seed``.
+
+    ``config``: everything that decides the run that the probe cannot see (sizes, epochs, schedule,
+    data); ``family`` and ``images``: for the projection (training images processed in all);
+    ``priority``: lower runs first; ``probe(unit) -> dict of numbers``: see the module's docstring;
+    ``what``: one line saying what the unit measures."""
+    chapter: str
+    name: str
+    seed: int
+    run: Callable = field(compare=False, repr=False)
+    config: dict = field(compare=False, repr=False, default_factory=dict)
+    probe: Callable | None = field(compare=False, repr=False, default=None)
+    family: str = "capsnet28"
+    images: int = 0
+    priority: int = 50
+    what: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.chapter}/{self.name}/s{self.seed}"
+
+    def path(self, smoke: bool = False) -> Path:
+        return RESULTS_ROOT / ("full-smoke" if smoke else "full") / self.chapter / self.name / f"s{self.seed}.json"
+
+
+_REGISTRY: dict[str, Unit] = {}
+_LOADED: set[str] = set()
+
+
+def register(unit: Unit) -> Unit:
+    """Add ``unit`` (its key must be new)."""
+    if not isinstance(unit.seed, int) or unit.seed < 0:
+        raise ValueError(f"unit seed must be an int >= 0; got {unit.seed!r}")
+    if not (len(unit.chapter) == 2 and unit.chapter.isdigit()):
+        raise ValueError(f"unit chapter must be two digits; got {unit.chapter!r}")
+    if unit.key in _REGISTRY:
+        raise ValueError(f"unit {unit.key} is registered twice")
+    _REGISTRY[unit.key] = unit
+    return unit
+
+
+def _load_chapters(chapter: str | None = None) -> None:
+    for ch in CHAPTERS:
+        if (chapter is None or ch == chapter) and ch not in _LOADED:
+            importlib.import_module(f"capslib.book.ch{ch}")
+            _LOADED.add(ch)
+
+
+def all_units(chapter: str | None = None) -> list[Unit]:
+    """Every registered unit (of ``chapter``), by priority then key."""
+    if chapter is not None and chapter not in CHAPTERS:
+        raise KeyError(f"no units for chapter {chapter!r}; chapters with units: {', '.join(CHAPTERS)}")
+    _load_chapters(chapter)
+    return sorted((u for u in _REGISTRY.values() if chapter is None or u.chapter == chapter),
+                  key=lambda u: (u.priority, u.key))
+
+
+def get(key: str) -> Unit:
+    """The unit named ``key`` (``02/main/s0``); a clear KeyError naming the known ones otherwise."""
+    _load_chapters(key.split("/", 1)[0] if key[:2].isdigit() and key[:2] in CHAPTERS else None)
+    if key not in _REGISTRY:
+        near = [k for k in _REGISTRY if k.rsplit("/", 1)[0] == key.rsplit("/", 1)[0]] or sorted(_REGISTRY)
+        raise KeyError(f"no unit {key!r}; known: {', '.join(near[:12])}{' ...' if len(near) > 12 else ''}")
+    return _REGISTRY[key]
+
+
+def select(patterns: list[str] | None = None, chapter: str | None = None) -> list[Unit]:
+    """Units of ``chapter`` whose key starts with one of ``patterns`` (all when none given)."""
+    units = all_units(chapter)
+    if patterns:
+        units = [u for u in units if any(u.key == p or u.key.startswith(p.rstrip("/") + "/") for p in patterns)]
+        if not units:
+            raise KeyError(f"no unit matches {patterns}")
+    return units
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+def _sha(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.{PROBE_DIGITS}g}") if math.isfinite(x) else x
+
+
+_PROBES: dict[str, dict] = {}
+
+
+def probe_values(unit: Unit) -> dict:
+    """The unit's computational probe (cached per configuration): rounded numbers."""
+    if unit.probe is None:
+        return {}
+    cache = _sha(unit.probe.__module__ + unit.probe.__qualname__ + json.dumps(unit.config, sort_keys=True))
+    if cache not in _PROBES:
+        with torch.random.fork_rng(devices=[]):
+            raw = unit.probe(unit)
+        _PROBES[cache] = {k: _round(float(v)) for k, v in sorted(raw.items())}
+    return _PROBES[cache]
+
+
+def fingerprint(unit: Unit) -> str:
+    """Hash of the unit's configuration and probe (see the module's docstring)."""
+    return _sha(json.dumps({"config": unit.config, "probe": probe_values(unit)}, sort_keys=True, default=str))
+
+
+# ----------------------------------------------------------------------------- results
+
+def encode_array(a, dtype: str = "float32") -> dict:
+    """A small array as JSON: dtype, shape and the base-64 of its bytes (little-endian)."""
+    arr = np.ascontiguousarray(np.asarray(a.detach().cpu() if isinstance(a, torch.Tensor) else a), dtype=dtype)
+    return {"dtype": dtype, "shape": list(arr.shape), "b64": base64.b64encode(arr.astype(arr.dtype.newbyteorder("<"))
+                                                                             .tobytes()).decode()}
+
+
+def decode_array(d: dict) -> np.ndarray:
+    """The inverse of :func:`encode_array`."""
+    if not isinstance(d, dict) or not {"dtype", "shape", "b64"} <= set(d):
+        raise ValueError("an encoded array is a dict with dtype, shape and b64")
+    dt = np.dtype(d["dtype"]).newbyteorder("<")
+    return np.frombuffer(base64.b64decode(d["b64"]), dtype=dt).reshape(d["shape"]).astype(d["dtype"])
+
+
+def _commit() -> tuple[str, bool]:
+    """HEAD and whether tracked files differ from it; ``$CAPSBOOK_COMMIT`` where the tree is a copy
+    without git (a lent GPU machine)."""
+    given = os.environ.get("CAPSBOOK_COMMIT", "").strip()
+    if given or not (ROOT / ".git").exists():
+        return given or "unknown", False
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=5).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, cwd=ROOT, timeout=5).stdout.strip())
+        return head or "unknown", dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from ..session import cpu_label
+    return f"cpu ({cpu_label()})"
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        v = v.detach().cpu().tolist()
+    elif isinstance(v, np.generic):
+        v = v.item()
+    elif isinstance(v, np.ndarray):
+        v = v.tolist()
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+MAX_RESULT_BYTES = 1_500_000
+
+
+def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = False) -> Path:
+    """Run ``unit`` on ``device`` (default: CUDA when present) and write its result atomically."""
+    device = torch.device(device) if device is not None else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fp = fingerprint(unit)
+    started = time.time()
+    out = unit.run(unit, device, smoke)
+    if not isinstance(out, dict) or "metrics" not in out:
+        raise TypeError(f"unit {unit.key}: run must return a dict with 'metrics'")
+    commit, dirty = _commit()
+    payload = {
+        "unit": unit.key, "chapter": unit.chapter, "name": unit.name, "seed": unit.seed,
+        "what": unit.what, "smoke": smoke, "fingerprint": fp, "config": unit.config,
+        "probe": probe_values(unit),
+        "device": _device_name(device), "torch": torch.__version__, "commit": commit, "uncommitted_changes": dirty,
+        "wall_seconds": round(time.time() - started, 1), "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "metrics": _plain(out["metrics"]), "history": _plain(out.get("history", {})),
+        "arrays": out.get("arrays", {}),
+    }
+    text = json.dumps(payload, indent=1, sort_keys=False, default=str) + "\n"
+    if len(text) > MAX_RESULT_BYTES:
+        raise ValueError(f"unit {unit.key}: result is {len(text):,} bytes, over {MAX_RESULT_BYTES:,}: "
+                         f"store fewer or smaller arrays")
+    path = unit.path(smoke)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def load(unit: Unit | str, smoke: bool = False) -> dict | None:
+    """The stored result of ``unit`` (a Unit or key), or None when it was never run."""
+    unit = get(unit) if isinstance(unit, str) else unit
+    p = unit.path(smoke)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def state(unit: Unit, smoke: bool = False) -> tuple[str, dict | None]:
+    """``("missing" | "done" | "stale", result)``: stale when the stored fingerprint is not the unit's now."""
+    res = load(unit, smoke)
+    if res is None:
+        return "missing", None
+    return ("done" if res.get("fingerprint") == fingerprint(unit) else "stale"), res
+
+
+def measured_rate(family: str) -> float | None:
+    """Median images/s of the committed, current-or-not results of ``family`` run alone on an H100
+    (each result's history ``images_per_s`` median, scaled back from the number sharing the GPU)."""
+    rates = []
+    for u in _REGISTRY.values():
+        if u.family != family:
+            continue
+        res = load(u)
+        if not res or "H100" not in str(res.get("device")):
+            continue
+        ips = res.get("history", {}).get("images_per_s") or []
+        k = int(res.get("metrics", {}).get("sharing_gpu", 1) or 1)
+        if ips:
+            rates.append(float(np.median(ips)) / SHARE.get(k, SHARE[max(SHARE)]))
+    return float(np.median(rates)) if rates else None
+
+
+def projected_seconds(unit: Unit, sharing: int = 1) -> float:
+    """Projected wall time of ``unit`` on one H100 shared by ``sharing`` trainings."""
+    rate = measured_rate(unit.family) or RATES_H100[unit.family]
+    share = SHARE.get(sharing, SHARE[max(SHARE)] * max(SHARE) / max(sharing, 1))
+    return STARTUP_SECONDS + unit.images / (rate * share)

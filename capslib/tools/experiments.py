@@ -1,0 +1,207 @@
+"""``python -m capslib.tools.experiments``: the experiment units of the book (:mod:`capslib.book.units`).
+
+    status [--chapter 02] [--smoke]       every unit: missing / done / stale, projected minutes on one H100
+    run --budget SECONDS [--jobs N] [--chapter 02] [--only KEY ...] [--smoke] [--dry-run]
+                                          the most valuable missing or stale units, N at a time on one GPU,
+                                          each started only when the plan says it ends inside the budget
+    one KEY [--smoke]                     one unit in this process (what ``run`` starts for each unit)
+
+One GPU allocation runs, from the repository root (results land in ``book/results/full/``; commit them)::
+
+    python -m capslib.tools.experiments run --budget 480 --jobs 4
+
+**The plan.** Units are taken in priority order. A unit is started when a slot is free and a
+simulation of the GPU (each running unit progresses at ``SHARE[k]`` of its speed alone when ``k``
+share the GPU; its work is its projected seconds alone) says that it, and every unit already
+running, still ends inside the budget. A unit still running at the budget is stopped (its result is
+not written; the others are kept). Each unit's output goes to ``_build/experiments/<key>.log``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..book import units as U
+
+LOG_DIR = U.ROOT / "_build" / "experiments"
+POLL_SECONDS = 1.0
+
+
+def _share(k: int) -> float:
+    return U.SHARE.get(k, U.SHARE[max(U.SHARE)] * max(U.SHARE) / max(k, 1))
+
+
+def finishes(remaining: list[float], budget_left: float) -> bool:
+    """Whether units with ``remaining`` work (seconds alone) all end within ``budget_left`` seconds of
+    wall time when they run side by side from now, each at ``SHARE[k]`` of its speed while k are left."""
+    work = sorted(w for w in remaining if w > 0)
+    t, done = 0.0, 0.0
+    for i, w in enumerate(work):
+        k = len(work) - i
+        t += (w - done) / _share(k)
+        done = w
+        if t > budget_left + 1e-9:
+            return False
+    return True
+
+
+@dataclass
+class Planned:
+    key: str
+    start: float
+    end: float
+
+
+def plan(work: list[tuple[str, float]], jobs: int, budget: float) -> list[Planned]:
+    """The schedule the runner follows if every unit takes its projected time: ``work`` is
+    ``(key, seconds alone)`` in priority order. A unit that cannot end inside the budget is skipped
+    and the next one considered; a slot left free waits for the next unit that fits."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1; got {jobs}")
+    if budget <= 0:
+        raise ValueError(f"budget must be positive; got {budget}")
+    now, running, out, queue = 0.0, {}, [], list(work)   # running: key -> remaining work
+    while True:
+        started = True
+        while started and len(running) < jobs:
+            started = False
+            for i, (key, w) in enumerate(queue):
+                if finishes([*running.values(), w], budget - now):
+                    running[key] = w
+                    out.append(Planned(key, now, float("nan")))
+                    queue.pop(i)
+                    started = True
+                    break
+        if not running:
+            return out
+        speed = _share(len(running))
+        key_min = min(running, key=running.get)
+        dt = running[key_min] / speed
+        now += dt
+        for k in running:
+            running[k] -= dt * speed
+        del running[key_min]
+        next(p for p in out if p.key == key_min).end = now
+
+
+def _status(args) -> int:
+    rows = []
+    for u in U.all_units(args.chapter):
+        st, res = U.state(u, smoke=args.smoke)
+        minutes = U.projected_seconds(u) / 60
+        made = f"{res['device']}, {res['wall_seconds'] / 60:.1f} min" if res else ""
+        rows.append((u.key, st, f"{minutes:.1f}", str(u.priority), made, u.what))
+    widths = [max(len(r[i]) for r in rows + [("unit", "state", "min (H100)", "prio", "made on", "what")])
+              for i in range(5)]
+    header = ("unit", "state", "min (H100)", "prio", "made on", "what")
+    for r in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    counts = {s: sum(r[1] == s for r in rows) for s in ("done", "stale", "missing")}
+    print(f"{len(rows)} units: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
+          f"; longest projection {max(float(r[2]) for r in rows):.1f} min alone on one H100")
+    return 0
+
+
+def _one(args) -> int:
+    unit = U.get(args.key)
+    path = U.execute(unit, smoke=args.smoke)
+    res = U.load(unit, smoke=args.smoke)
+    shown = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+    print(f"{unit.key}: {res['wall_seconds']:.0f} s on {res['device']}; " +
+          ", ".join(f"{k} {v:.4g}" for k, v in list(shown.items())[:6]) + f"; wrote {path.relative_to(U.ROOT)}")
+    return 0
+
+
+def _run(args) -> int:
+    todo = [u for u in U.select(args.only, args.chapter) if U.state(u, smoke=args.smoke)[0] != "done"]
+    # a smoke run rehearses the commands: its units take seconds, so each is projected at 1 s of work
+    work = {u.key: (1.0 if args.smoke else U.projected_seconds(u)) for u in todo}
+    schedule = plan([(u.key, work[u.key]) for u in todo], args.jobs, args.budget)
+    print(f"{len(todo)} units missing or stale; the plan runs {len(schedule)} of them in {args.budget:.0f} s, "
+          f"{args.jobs} at a time:")
+    for p in schedule:
+        print(f"  {p.key:28s} start {p.start:6.0f} s, end {p.end:6.0f} s (projected)")
+    if args.dry_run or not schedule:
+        return 0
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    queue = [u for u in todo if u.key in {p.key for p in schedule}]
+    running: dict[str, tuple[subprocess.Popen, float, float]] = {}   # key -> (process, work, done)
+    finished, failed, stopped = [], [], []
+    last = time.time()
+    while queue or running:
+        now = time.time()
+        dt, last = now - last, now
+        speed = _share(max(len(running), 1))
+        running = {k: (p, w, d + dt * speed) for k, (p, w, d) in running.items()}
+        for key, (proc, _, _) in list(running.items()):
+            rc = proc.poll()
+            if rc is not None:
+                del running[key]
+                (finished if rc == 0 else failed).append(key)
+                print(f"[{now - t0:5.0f} s] {key}: " + ("done" if rc == 0 else f"FAILED (exit {rc}), see its log"),
+                      flush=True)
+        left = args.budget - (now - t0)
+        if left <= 0:
+            for key, (proc, _, _) in running.items():
+                os.killpg(proc.pid, signal.SIGTERM)
+                stopped.append(key)
+            for key, (proc, _, _) in running.items():
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            print(f"[{now - t0:5.0f} s] budget reached: stopped {', '.join(stopped) or 'nothing'}", flush=True)
+            break
+        while len(running) < args.jobs and queue:
+            remaining = [w - d for _, w, d in running.values()]
+            pick = next((u for u in queue if finishes([*remaining, work[u.key]], left)), None)
+            if pick is None:
+                break
+            queue.remove(pick)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPSBOOK_SHARING": str(len(running) + 1)}
+            log = open(LOG_DIR / (pick.key.replace("/", "_") + ".log"), "w")
+            cmd = [sys.executable, "-m", "capslib.tools.experiments", "one", pick.key] + (["--smoke"] if args.smoke else [])
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=U.ROOT, env=env,
+                                    start_new_session=True)
+            running[pick.key] = (proc, work[pick.key], 0.0)
+            print(f"[{now - t0:5.0f} s] started {pick.key} ({len(running)} running)", flush=True)
+        if not running and queue:
+            print(f"[{now - t0:5.0f} s] nothing left fits in {left:.0f} s: not started {', '.join(u.key for u in queue)}")
+            break
+        time.sleep(POLL_SECONDS)
+    print(f"finished {len(finished)} ({', '.join(finished) or '-'}); failed {len(failed)} ({', '.join(failed) or '-'}); "
+          f"stopped at the budget {len(stopped)}; {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m capslib.tools.experiments", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="every unit: missing / done / stale, projected minutes")
+    s.add_argument("--chapter")
+    s.add_argument("--smoke", action="store_true")
+    r = sub.add_parser("run", help="run missing or stale units inside a time budget")
+    r.add_argument("--budget", type=float, required=True, help="seconds of wall time for the whole run")
+    r.add_argument("--jobs", type=int, default=1, help="units side by side on the one GPU")
+    r.add_argument("--chapter")
+    r.add_argument("--only", nargs="*", help="unit keys or key prefixes (02/main, 02/table1/r1-recon/s0)")
+    r.add_argument("--smoke", action="store_true", help="tiny sizes, results under full-smoke/ (rehearsal)")
+    r.add_argument("--dry-run", action="store_true", help="print the plan only")
+    o = sub.add_parser("one", help="run one unit in this process")
+    o.add_argument("key")
+    o.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    if args.cmd == "run" and (args.budget <= 0 or args.jobs < 1):
+        ap.error("--budget must be positive and --jobs at least 1")
+    return {"status": _status, "run": _run, "one": _one}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

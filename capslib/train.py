@@ -385,6 +385,9 @@ def fit(
         torch.randperm(len(train), generator=gen)
     n = len(train)
     steps = math.ceil(n / batch_size)
+    ranks = distributed_ranks()
+    if ranks is not None:
+        _broadcast_parameters(model)
     for epoch in range(start, epochs):
         model.train()
         perm = torch.randperm(n, generator=gen).to(device)
@@ -403,18 +406,32 @@ def fit(
             xb, yb = train.x[idx], train.y[idx]
             if augment is not None:
                 xb = augment(xb)
+            share = 1.0
+            if ranks is not None:   # data parallel: this rank's shard of the global batch
+                shard = slice(ranks[0], None, ranks[1])
+                share = len(yb[shard]) / len(yb)   # a rank's batch mean weighs its share of the global mean
+                # a last batch smaller than the number of ranks leaves some rank nothing: it runs one image
+                # at weight 0, so that every rank's gradients have the same structure for the sum
+                xb, yb = (xb[shard], yb[shard]) if share > 0 else (xb[:1], yb[:1])
             with _autocast(device, amp):
                 loss, scores = loss_fn(step_model, xb, yb)
             loss_d = loss.detach()
-            nonfinite += (~torch.isfinite(loss_d)).long()
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * share if ranks is not None else loss).backward()
+            if share > 0:
+                nonfinite += (~torch.isfinite(loss_d)).long()
+                total += loss_d.double() * len(yb)
+                correct += (scores.detach().argmax(dim=1) == yb).sum()
+            else:
+                yb = yb[:0]
+            if ranks is not None:
+                _sum_gradients(model)
             if before_step is not None:
                 before_step(model, optimizer)
             optimizer.step()
-            total += loss_d.double() * len(idx)
-            correct += (scores.detach().argmax(dim=1) == yb).sum()
-            seen += len(idx)
+            seen += len(yb)
+        if ranks is not None:
+            total, correct, nonfinite, seen = _sum_over_ranks(total, correct, nonfinite, seen)
         if device.type == "cuda":
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
@@ -430,12 +447,12 @@ def fit(
         history["images_per_s"].append(seen / secs)
         if on_epoch_end is not None:
             on_epoch_end(epoch, model, history)
-        if progress:
+        if progress and (ranks is None or ranks[0] == 0):
             va = history["val_acc"][-1]
             print(f"{desc} epoch {epoch + 1}/{epochs}: loss {history['loss'][-1]:.4f}  "
                   f"train acc {history['train_acc'][-1]:.3f}" + ("" if math.isnan(va) else f"  val acc {va:.3f}")
                   + f"  {secs:.1f} s ({seen / secs:.0f} img/s)")
-        if checkpoint is not None:
+        if checkpoint is not None and (ranks is None or ranks[0] == 0):
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
                      "history": history, "rng": torch.get_rng_state(), "fingerprint": fingerprint}
             if scheduler is not None:
@@ -448,6 +465,66 @@ def fit(
         if stop_when is not None and stop_when(history):
             break
     return history
+
+
+# ----------------------------------------------------------------------------- data parallel (torchrun)
+
+def distributed_ranks() -> tuple[int, int] | None:
+    """``(rank, world size)`` when :func:`fit` runs data-parallel: a ``torch.distributed`` process group
+    of more than one process is initialised (``torchrun`` sets it up; :func:`init_distributed`). None
+    otherwise.
+
+    Under it every rank holds the whole training set and draws the same seeded permutation; each global
+    batch (``batch_size`` images, augmented as one batch) is split by striding, rank ``r`` taking images
+    ``r, r + W, ...``; each rank's batch-mean loss is weighted by its share of the batch and the
+    gradients are summed over the ranks, so every rank takes the step one process would take on the
+    global batch (up to the order of floating-point sums). Losses, accuracies and image counts are
+    summed over ranks; rank 0 alone prints and writes checkpoints."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def init_distributed() -> torch.device:
+    """Join the process group ``torchrun`` describes (``$WORLD_SIZE`` > 1; NCCL on CUDA, gloo on the
+    CPU) and return this rank's device; without ``torchrun``, the default device and no group."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    cuda = torch.cuda.is_available()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _broadcast_parameters(model: nn.Module) -> None:
+    import torch.distributed as dist
+
+    for t in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(t.data, src=0)
+
+
+def _sum_gradients(model: nn.Module) -> None:
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+def _sum_over_ranks(total, correct, nonfinite, seen: int):
+    import torch.distributed as dist
+
+    t = torch.stack([total.double(), correct.double(), nonfinite.double(),
+                     torch.tensor(float(seen), dtype=torch.float64, device=total.device)])
+    dist.all_reduce(t)
+    return t[0], t[1].long(), t[2].long(), int(t[3])
 
 
 def _resumable(path: Path, start_from, fingerprint: dict, epochs: int, device) -> tuple[dict | None, Path]:

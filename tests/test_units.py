@@ -204,3 +204,24 @@ def test_idx_files_are_read_plain_or_gzip_compressed(tmp_path):
     assert np.array_equal(data._read_idx(tmp_path / "img"), images)
     (tmp_path / "img").unlink()
     assert np.array_equal(data._read_idx(tmp_path / "img"), images)
+
+
+def test_chapter2_paper_scale_views_from_results(tmp_path, monkeypatch):
+    """Write -> load -> figure: the smoke result of the main unit feeds Table 1's frame and the three
+    figures; the missing runs are named in the banner."""
+    import matplotlib
+    matplotlib.use("Agg")
+    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+    U.execute(U.get("02/main/s0"), device="cpu", smoke=True)
+    groups = ch02.table1_groups(smoke=True)
+    main = groups[-1]
+    assert len(main.results) == 1 and main.missing == ["02/main/s1", "02/main/s2"]
+    frame = ch02.table1_frame(groups)
+    assert frame.loc["3 iterations, reconstruction", "seeds"] == 1
+    assert frame.loc["baseline CNN", "this book: test error (%)"] == "not yet run"
+    text = U.banner(groups)
+    assert "not yet made" in text and "1 of 3 seeds run" in text and "02/" not in text
+    for fig in (ch02.draw_reconstructions(main.results[0]), ch02.draw_perturbations(main.results[0]),
+                ch02.draw_couplings(main.results)):
+        assert fig.axes
+    assert U.banner([U.Group("x", "x", [{}], [], [])]) is None

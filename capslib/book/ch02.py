@@ -256,3 +256,113 @@ def _register() -> None:
 
 
 _register()
+
+
+# ----------------------------------------------------------------------------- the chapter's paper-scale views
+
+# Table 1 of Sabour et al. as this book's units: row label, unit prefix, key of the paper's number
+TABLE1 = (
+    ("baseline CNN", "02/baseline", "sabour_baseline_error"),
+    ("1 iteration, no reconstruction", "02/table1/r1-norecon", "sabour_r1_norecon_error"),
+    ("1 iteration, reconstruction", "02/table1/r1-recon", "sabour_r1_recon_error"),
+    ("3 iterations, no reconstruction", "02/table1/r3-norecon", "sabour_r3_norecon_error"),
+    ("3 iterations, reconstruction", "02/main", "sabour_mnist_error"),
+)
+
+
+def table1_groups(smoke: bool = False):
+    from .units import group
+    return [group(prefix, label, smoke) for label, prefix, _ in TABLE1]
+
+
+def table1_frame(groups):
+    """Table 1 beside the paper: test error in per cent, mean and SD over the seeds run (each seed
+    one unit; n = how many), with the paper's number."""
+    import pandas as pd
+
+    rows = []
+    for (label, _, key), g in zip(TABLE1, groups):
+        errs = [100 * e for e in g.values("test_error")]
+        n = len(errs)
+        book = ("not yet run" if n == 0 else f"{np.mean(errs):.2f}" if n == 1 else
+                f"{np.mean(errs):.2f} ± {np.std(errs, ddof=1):.2f} (SD)")
+        rows.append((label, paper.text(key, pm=True), book, n))
+    return pd.DataFrame(rows, columns=["network", "paper: test error", "this book: test error (%)", "seeds"]
+                        ).set_index("network")
+
+
+def _grid(ax, images, nrow, ncol, title=None):
+    h, w = images.shape[-2:]
+    canvas = np.ones((nrow * (h + 2), ncol * (w + 2)))
+    for i, im in enumerate(images[: nrow * ncol]):
+        r, c = divmod(i, ncol)
+        canvas[r * (h + 2):r * (h + 2) + h, c * (w + 2):c * (w + 2) + w] = 1 - im / 255.0
+    ax.imshow(canvas, cmap="gray", vmin=0, vmax=1)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if title:
+        ax.set_title(title, fontsize=11)
+
+
+def draw_reconstructions(result: dict):
+    """Test digits (top of each pair of rows) and the decoder's reconstructions from the longest class
+    capsule (below), from a ``02/main`` result."""
+    import matplotlib.pyplot as plt
+
+    from ..viz import COLUMN_IN
+    from .units import decode_array
+
+    a = result["arrays"]
+    x, r = decode_array(a["recon_input"]), decode_array(a["recon_output"])
+    n = len(x)
+    pairs = np.concatenate([np.stack([x[i:i + 10], r[i:i + 10]]).reshape(-1, *x.shape[1:]) for i in range(0, n, 10)])
+    fig, ax = plt.subplots(figsize=(COLUMN_IN * 0.9, COLUMN_IN * 0.9 * (2 * math.ceil(n / 10)) / 10 + 0.4))
+    _grid(ax, pairs, 2 * math.ceil(n / 10), 10, "test digits (rows 1, 3) and their reconstructions (rows 2, 4)")
+    fig.tight_layout()
+    return fig
+
+
+def draw_perturbations(result: dict):
+    """Sabour's Fig. 4 from a ``02/main`` result: each row one of the 16 dimensions of the class
+    capsule moved over the paper's range, the decoder's image at each step."""
+    import matplotlib.pyplot as plt
+
+    from ..viz import COLUMN_IN
+    from .units import decode_array
+
+    a = result["arrays"]
+    g, off = decode_array(a["perturb_grid"]), decode_array(a["perturb_offsets"])
+    D, K = g.shape[:2]
+    fig, ax = plt.subplots(figsize=(COLUMN_IN * 0.75, COLUMN_IN * 0.75 * D / K + 0.6))
+    _grid(ax, g.reshape(D * K, *g.shape[2:]), D, K)
+    ax.set_xticks([(k + 0.5) * (g.shape[-1] + 2) for k in (0, K // 2, K - 1)])
+    ax.set_xticklabels([f"{off[k]:+.2f}" for k in (0, K // 2, K - 1)], fontsize=10)
+    ax.set_yticks([(d + 0.5) * (g.shape[-2] + 2) for d in range(0, D, 3)])
+    ax.set_yticklabels([f"$d={d + 1}$" for d in range(0, D, 3)], fontsize=10)
+    ax.set_xlabel("change added to one dimension of $\\mathbf{v}_j$", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def draw_couplings(results: list):
+    """The couplings $c_{ij}$ on test digits after routing, one line per seed: histogram of their
+    values, against the uniform $1/J$ they start from."""
+    import matplotlib.pyplot as plt
+
+    from ..viz import COLUMN_IN
+    from .units import decode_array
+
+    fig, ax = plt.subplots(figsize=(COLUMN_IN * 0.8, 3.2))
+    for res in results:
+        h = decode_array(res["arrays"]["coupling_hist"]).astype(float)
+        edges = np.linspace(0, 1, len(h) + 1)
+        ax.step(edges[:-1], h / h.sum(), where="post", label=f"seed {res['seed']}")
+    J = results[0]["metrics"]["coupling"]["parents"]
+    ax.axvline(1 / J, color="k", ls=":", lw=1, label="$1/J$")
+    ax.set_yscale("log")
+    ax.set_xlabel("coupling coefficient $c_{ij}$", fontsize=11)
+    ax.set_ylabel("fraction of couplings", fontsize=11)
+    ax.tick_params(labelsize=10)
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, frameon=False)
+    fig.tight_layout()
+    return fig

@@ -246,12 +246,17 @@ MAX_RESULT_BYTES = 1_500_000
 
 
 def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = False) -> Path:
-    """Run ``unit`` on ``device`` (default: CUDA when present) and write its result atomically."""
+    """Run ``unit`` on ``device`` (default: CUDA when present) and write its result atomically (under
+    ``torchrun``, data-parallel over the ranks, rank 0 writing; see :func:`capslib.train.distributed_ranks`)."""
     device = torch.device(device) if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fp = fingerprint(unit)
     started = time.time()
     out = unit.run(unit, device, smoke)
+    from ..train import distributed_ranks
+    ranks = distributed_ranks()
+    if ranks is not None and ranks[0] != 0:   # data parallel under torchrun: rank 0 writes
+        return unit.path(smoke)
     if not isinstance(out, dict) or "metrics" not in out:
         raise TypeError(f"unit {unit.key}: run must return a dict with 'metrics'")
     commit, dirty = _commit()
@@ -313,3 +318,48 @@ def projected_seconds(unit: Unit, sharing: int = 1) -> float:
     rate = measured_rate(unit.family) or RATES_H100[unit.family]
     share = SHARE.get(sharing, SHARE[max(SHARE)] * max(SHARE) / max(sharing, 1))
     return STARTUP_SECONDS + unit.images / (rate * share)
+
+
+# ----------------------------------------------------------------------------- what a chapter shows
+
+@dataclass
+class Group:
+    """The results of one experiment over its seeds (``02/main``): the current ones, and the keys of
+    the seeds whose result is missing or stale."""
+    prefix: str
+    label: str
+    results: list
+    missing: list
+    stale: list
+
+    def values(self, metric: str) -> list[float]:
+        return [float(r["metrics"][metric]) for r in self.results]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and not self.stale
+
+
+def group(prefix: str, label: str, smoke: bool = False) -> Group:
+    """Every unit under ``prefix`` (``02/main``, ``02/table1/r1-recon``) with its state; ``label``
+    names the experiment for readers."""
+    found, missing, stale = [], [], []
+    for u in select([prefix]):
+        st, res = state(u, smoke)
+        {"done": found, "missing": missing, "stale": stale}[st].append(res if st == "done" else u.key)
+    return Group(prefix, label, found, missing, stale)
+
+
+def banner(groups: list[Group]) -> str | None:
+    """Markdown for a visible note naming the paper-scale runs not yet made (None when all are)."""
+    lacking = [g for g in groups if not g.complete]
+    if not lacking:
+        return None
+    parts = []
+    for g in lacking:
+        n = len(g.results) + len(g.missing) + len(g.stale)
+        what = f"{len(g.results)} of {n} seeds run" + (f", {len(g.stale)} stale (made by other code)" if g.stale else "")
+        parts.append(f"{g.label} ({what})")
+    return ("**Paper-scale run not yet made** for " + "; ".join(parts) +
+            ". Each is a short GPU job; until it is made, this section shows the results that exist, "
+            "and the rest of the chapter shows the small CPU run.")

@@ -5,7 +5,9 @@
                                           the most valuable missing or stale units, N at a time on one GPU,
                                           each started only when the plan says it ends inside the budget
                                           (projections lengthened by PLAN_MARGIN)
-    one KEY [--smoke]                     one unit in this process (what ``run`` starts for each unit)
+    one KEY [--smoke]                     one unit in this process (what ``run`` starts for each unit);
+                                          ``torchrun --nproc_per_node=N -m capslib.tools.experiments one KEY``
+                                          trains it data-parallel on N GPUs (rank 0 writes the result)
     rate KEY [--images N] [--bf16]        images/s of the unit's network in fit for 3 epochs of N digits
                                           (one JSON line; ``book/results/bench/fit_rates_h100.json`` holds
                                           such lines, alone and four at once, from which the plan projects)
@@ -113,16 +115,24 @@ def _status(args) -> int:
 
 
 def _one(args) -> int:
+    from ..train import distributed_ranks, init_distributed
+
     unit = U.get(args.key)
-    path = U.execute(unit, smoke=args.smoke)
+    path = U.execute(unit, device=init_distributed(), smoke=args.smoke)
+    ranks = distributed_ranks()
+    if ranks is not None and ranks[0] != 0:
+        return 0
     res = U.load(unit, smoke=args.smoke)
     shown = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
     print(f"{unit.key}: {res['wall_seconds']:.0f} s on {res['device']}; " +
-          ", ".join(f"{k} {v:.4g}" for k, v in list(shown.items())[:6]) + f"; wrote {path.relative_to(U.ROOT)}")
+          ", ".join(f"{k} {v:.4g}" for k, v in list(shown.items())[:6]) + f"; wrote {path.relative_to(U.ROOT) if path.is_relative_to(U.ROOT) else path}")
     return 0
 
 
 def _run(args) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise SystemExit("'run' starts one process per unit and is not run under torchrun; "
+                         "run one unit data-parallel with: torchrun --nproc_per_node=N -m capslib.tools.experiments one KEY")
     todo = [u for u in U.select(args.only, args.chapter) if U.state(u, smoke=args.smoke)[0] != "done"]
     # a smoke run rehearses the commands: its units take seconds, so each is projected at 1 s of work
     work = {u.key: (1.0 if args.smoke else U.projected_seconds(u) * (1 + U.PLAN_MARGIN)) for u in todo}

@@ -61,7 +61,7 @@ venv: $(STAMP)
 PROFILE ?= auto
 BOOK_CELL_TIMEOUT ?= 1800
 book: $(STAMP)
-	@$(PY) -m capslib.reproduce --profile $(PROFILE) --timeout $(BOOK_CELL_TIMEOUT) --into _build/book-src all
+	@$(PY) -m capslib.tools.reproduce --profile $(PROFILE) --timeout $(BOOK_CELL_TIMEOUT) --into _build/book-src all
 	@start=$$(date +%s); $(VENV)/bin/jupyter-book build _build/book-src --builder html --path-output . \
 	  > _build/book-build.log 2>&1 || { tail -n 30 _build/book-build.log; exit 1; }; \
 	  echo "built the HTML in $$(( $$(date +%s) - start )) s (log: _build/book-build.log)"
@@ -73,10 +73,10 @@ test: checks
 	@$(MAKE) --no-print-directory -j2 build-strict book-student
 	@$(MAKE) --no-print-directory compare-student
 
-# the unit tests, every chapter and the scoreboard under nbval, as a pool (capslib/testpool.py;
+# the unit tests, every chapter and the scoreboard under nbval, as a pool (capslib/tools/testpool.py;
 # logs in _build/test-logs)
 checks: $(STAMP)
-	@$(PY) -m capslib.testpool --jobs $(TEST_JOBS) --threads $(TEST_THREADS)
+	@$(PY) -m capslib.tools.testpool --jobs $(TEST_JOBS) --threads $(TEST_THREADS)
 
 unit: $(STAMP)
 	@start=$$(date +%s); $(PY) -m pytest -q tests || exit 1; \
@@ -86,7 +86,7 @@ unit: $(STAMP)
 # (a chapter whose cell hits nbval's timeout is executed once more; any other failure counts at once)
 CHAPTER_NUMS := $(shell ls book/[0-9][0-9]_*.ipynb | xargs -n1 basename | cut -c1-2)
 notebooks: $(STAMP)
-	@$(PY) -m capslib.testpool --jobs 1 --threads $(TEST_THREADS) $(CHAPTER_NUMS) scoreboard
+	@$(PY) -m capslib.tools.testpool --jobs 1 --threads $(TEST_THREADS) $(CHAPTER_NUMS) scoreboard
 
 build-strict: $(STAMP)
 	@start=$$(date +%s); $(VENV)/bin/jupyter-book build . --builder html --warningiserror --keep-going || exit 1; \
@@ -105,29 +105,29 @@ test-browser: build-strict
 # make reproduce CHAPTERS="02 04": those chapters at the full profile, executed in place one at a
 # time (trainings resume from their checkpoints); no CHAPTERS: every chapter, then the book.
 reproduce: $(STAMP)
-	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.reproduce --profile full $(CHAPTERS); \
-	  else $(PY) -m capslib.reproduce --profile full all && $(MAKE) build-strict; fi
+	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.tools.reproduce --profile full $(CHAPTERS); \
+	  else $(PY) -m capslib.tools.reproduce --profile full all && $(MAKE) build-strict; fi
 
 # make publish: the committed notebooks re-executed in place from a clean state (every training from
 # scratch, no checkpoint of an earlier execution), then the strict build; PROFILE as for make book
 publish: $(STAMP)
-	@$(PY) -m capslib.reproduce --profile $(PROFILE) --fresh all
+	@$(PY) -m capslib.tools.reproduce --profile $(PROFILE) --fresh all
 	@$(MAKE) --no-print-directory build-strict
 	$(PY) -m pytest -q tests/test_outputs.py
 
 # the offline bundle for a GPU node without internet (PYTHON_VERSION: the node's Python)
 PYTHON_VERSION ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 bundle: $(STAMP)
-	$(PY) -m capslib.bundle --python-version $(PYTHON_VERSION) --out dist/offline
+	$(PY) -m capslib.tools.bundle --python-version $(PYTHON_VERSION) --out dist/offline
 
 # the bundle built for this machine, installed with --no-index into a bare venv that sees only a
 # stand-in of a GPU image (torch and the scientific stack of .venv), then chapter 1 run by its run.sh
 # and full MNIST read from its data (about a minute; not part of make test, which is at its budget)
 test-bundle: $(STAMP)
 	rm -rf _build/bundle-test && mkdir -p _build/bundle-test
-	$(PY) -m capslib.bundle --out _build/bundle-test/offline
+	$(PY) -m capslib.tools.bundle --out _build/bundle-test/offline
 	$(PYTHON) -m venv _build/bundle-test/venv
-	$(PY) -c 'from pathlib import Path; from capslib.bundle import stock_site; print(stock_site(Path("_build/bundle-test/stock")), "distributions stand in for the image")'
+	$(PY) -c 'from pathlib import Path; from capslib.tools.bundle import stock_site; print(stock_site(Path("_build/bundle-test/stock")), "distributions stand in for the image")'
 	echo "$(CURDIR)/_build/bundle-test/stock" > $$(_build/bundle-test/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/stock.pth
 	! _build/bundle-test/venv/bin/python -c 'import nbclient' 2>/dev/null
 	cd _build/bundle-test && PYTHON=$(CURDIR)/_build/bundle-test/venv/bin/python CAPSBOOK_PROFILE=ci CAPSBOOK_SMOKE=1 \
@@ -138,10 +138,10 @@ test-bundle: $(STAMP)
 
 # training speed of each chapter's full model on this machine (add BENCH_ARGS=--compile on a GPU)
 bench: $(STAMP)
-	$(PY) -m capslib.bench $(BENCH_ARGS)
+	$(PY) -m capslib.tools.bench $(BENCH_ARGS)
 
 smoke: $(STAMP)
-	$(PY) -m capslib.smoke --profile full
+	$(PY) -m capslib.tools.smoke --profile full
 
 data: $(STAMP)
 	$(PY) -m capslib.data fetch mnist
@@ -149,11 +149,11 @@ data: $(STAMP)
 # per master: _build/assignments/<name>/student/ (hand out) and autograder/<name>-autograder.zip
 # (otter run or Gradescope; capslib travels inside it)
 assignments: $(STAMP)
-	$(PY) -m capslib.grading build book/assignments/*.ipynb --out _build/assignments
+	$(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments
 
 # the HTML book without exercise solutions (sphinx-exercise's hide_solutions), in _build/student/_build/html
 book-student: $(STAMP)
-	@start=$$(date +%s); $(PY) -m capslib.grading student-config --dest _build/student/_config.yml >/dev/null && \
+	@start=$$(date +%s); $(PY) -m capslib.tools.grading student-config --dest _build/student/_config.yml >/dev/null && \
 	  $(VENV)/bin/jupyter-book build . --builder html --config _build/student/_config.yml \
 	    --path-output _build/student --warningiserror --keep-going > _build/student-build.log 2>&1 \
 	    || { tail -n 30 _build/student-build.log; exit 1; }; \
@@ -164,7 +164,7 @@ student-check: build-strict book-student
 	@$(MAKE) --no-print-directory compare-student
 
 compare-student: $(STAMP)
-	$(PY) -m capslib.grading check-student --normal _build/html --student _build/student/_build/html \
+	$(PY) -m capslib.tools.grading check-student --normal _build/html --student _build/student/_build/html \
 	  book/*.ipynb book/*.md
 
 # The lock: requirements.txt resolved by pip in a clean venv and frozen (exact versions of
@@ -182,8 +182,8 @@ lock:
 	@echo "$(LOCK): $$(grep -c '==' $(LOCK)) pinned packages"
 
 spread: $(STAMP)
-	$(PY) -m capslib.spread --seeds $(SEEDS) --threads 2 $(if $(CHAPTERS),--chapters $(CHAPTERS))
-	$(PY) -m capslib.spread --seeds $(SEEDS) --threads 1 --jobs 2 $(if $(CHAPTERS),--chapters $(CHAPTERS))
+	$(PY) -m capslib.tools.spread --seeds $(SEEDS) --threads 2 $(if $(CHAPTERS),--chapters $(CHAPTERS))
+	$(PY) -m capslib.tools.spread --seeds $(SEEDS) --threads 1 --jobs 2 $(if $(CHAPTERS),--chapters $(CHAPTERS))
 
 clean:
 	rm -rf _build

@@ -16,7 +16,7 @@ from .session import setup
 __version__ = "0.1.0"
 
 _SUBMODULES = {"data", "layers", "models", "train", "viz", "widgets", "profiles", "results", "session",
-               "routing", "ops", "rem", "soft_routing", "poe", "em", "claims", "spread", "paper", "stats"}
+               "routing", "ops", "rem", "soft_routing", "poe", "em", "claims", "paper", "stats"}
 
 
 def __getattr__(name):

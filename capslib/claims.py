@@ -6,7 +6,7 @@ A chapter states what a trained run shows with :func:`check` instead of a bare `
 
 In a normal execution (nbval, ``make book``) a claim that does not hold raises
 ``AssertionError`` naming the claim, the value and the bound. In a spread run (``make
-spread``, :mod:`capslib.spread`) ``$CAPSBOOK_CLAIMS_LOG`` names a file: every claim is
+spread``, :mod:`capslib.tools.spread`) ``$CAPSBOOK_CLAIMS_LOG`` names a file: every claim is
 appended to it as one JSON line and nothing raises, so one execution measures every claim
 of a chapter. The spread table (``book/results/ci_spread.json``) gathers those lines over
 seeds and thread counts; ``tests/test_claims.py`` checks that every claim in the book is in

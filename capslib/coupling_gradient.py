@@ -51,7 +51,7 @@ profiles.register(
               expanded_primary_stride=2, expanded_batch_size=128, expanded_lr=1e-3),
     # `full` is cut to fit one H100 in minutes: the chapter took about 7 (28x28 epochs 3.5 s with the
     # full gradient, 3.0 s detached; README "GPU use"); CAPSBOOK_PAPER_SCHEDULE=1 restores Table 1's
-    # 100 epochs (and five seeds; capslib.bench projects about 53 minutes of training on one H100).
+    # 100 epochs (and five seeds; capslib.tools.bench projects about 53 minutes of training on one H100).
     paper=dict(epochs=100, seeds=5, expanded_epochs=100),
 )
 
@@ -360,7 +360,7 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
     with detached routing, on the same batch and the same weights (chapter 4).
 
     Wall time: ``pairs`` interleaved pairs of steps, the order inside a pair alternating, after
-    ``warmup`` pairs that are not kept (:func:`capslib.bench.interleaved_seconds`). A neighbour that slows the machine for a while slows both
+    ``warmup`` pairs that are not kept (:func:`capslib.tools.bench.interleaved_seconds`). A neighbour that slows the machine for a while slows both
     members of a pair alike, so the per-pair ratio full / detached keeps the method's difference
     where the epoch times of separate runs mix it with the machine's load. Work: the floating-point
     operations of each step counted by ``torch.utils.flop_counter`` (matrix products and
@@ -377,7 +377,7 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
         raise TypeError("model must have a DenseCaps `digit` with a `detach` flag (a CapsNet)")
     if not (isinstance(pairs, int) and pairs >= 2) or not (isinstance(warmup, int) and warmup >= 0):
         raise ValueError(f"pairs must be an int >= 2 and warmup an int >= 0; got {pairs!r}, {warmup!r}")
-    from .bench import interleaved_seconds
+    from .tools.bench import interleaved_seconds
 
     loss_fn = loss_fn or _default_loss(recon_weight)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -71,7 +71,7 @@ profiles.register(
     # vote of ConvCaps1 in memory (about 0.1 GB per 28x28 image and 0.25 GB per 40x40 image
     # without gradients, measured on CPU), so evaluation goes in batches of eval_batch images.
     # The iteration comparison trains the paper's network for compare_epochs epoch(s) per run
-    # (3 iteration counts x compare_seeds seeds). The EM network is slow: capslib.bench measured
+    # (3 iteration counts x compare_seeds seeds). The EM network is slow: capslib.tools.bench measured
     # about 1,000 training images/s on one H100 (eager), so `full` trains 8 epochs and compares
     # iterations over 3 seeds x 1 epoch: about 15 minutes of training on one H100.
     # CAPSBOOK_PAPER_SCHEDULE=1 trains 50 epochs and compares over 5 seeds x 5 epochs (about 2 hours).

@@ -60,7 +60,7 @@ SIZES: dict[str, dict[str, dict]] = {
                      ablation_conv_channels=256, ablation_primary_types=32, ablation_decoder=(512, 1024),
                      multimnist_train=200_000, multimnist_test=10_000, multimnist_epochs=10,
                      multimnist_batch_size=128),
-        # `full` fits one H100 in about 7 minutes (capslib.bench: 17k images/s for the 28x28 CapsNet,
+        # `full` fits one H100 in about 7 minutes (capslib.tools.bench: 17k images/s for the 28x28 CapsNet,
         # 9.5k for the 40x40 one, bf16 eager); CAPSBOOK_PAPER_SCHEDULE=1 restores the longer schedule.
         "paper": dict(expanded_epochs=30, compare_seeds=5, ablation_epochs=50),
     },
@@ -105,7 +105,7 @@ def paper_schedule() -> bool:
 
 def progress_bars() -> bool:
     """Whether training shows progress bars: off when ``$CAPSBOOK_PROGRESS`` is 0 (set by the headless
-    runners, ``capslib.reproduce``, ``capslib.smoke`` and ``capslib.spread``, so that no bar is saved
+    runners, ``capslib.tools.reproduce``, ``capslib.tools.smoke`` and ``capslib.tools.spread``, so that no bar is saved
     frozen in an executed notebook); on otherwise."""
     return os.environ.get("CAPSBOOK_PROGRESS", "").strip() != "0"  # on unless set to 0
 

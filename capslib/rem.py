@@ -61,7 +61,7 @@ profiles.register(
     # decoder, batch 128, Adam with lr decay 0.99 per epoch, K = 11, five seeds; LOBSTER with
     # lambda = 1e-4 (our choice: the paper does not print it) and no loss worsening, trained
     # from scratch (no shared start). The paper stops early with a patience of 200 epochs; `full`
-    # trains 15 epochs from 3 seeds so that the chapter fits one GPU: capslib.bench measured
+    # trains 15 epochs from 3 seeds so that the chapter fits one GPU: capslib.tools.bench measured
     # 15.7k images/s for this network on one H100, so 3 seeds x 4 networks x 15 epochs of 55,000
     # digits take about 10.5 minutes of training (plus LOBSTER's threshold searches and the FC
     # network). CAPSBOOK_PAPER_SCHEDULE=1 trains 200 epochs from 5 seeds (about 2.6 hours).

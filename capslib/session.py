@@ -88,7 +88,7 @@ def cpu_name() -> str:
 
     Two processors can give different bits for the same computation (other kernels, other
     summation orders), and a training amplifies the difference: the same seed then ends at
-    another accuracy. :func:`setup` prints it; the spread runs record it (``capslib.spread``)."""
+    another accuracy. :func:`setup` prints it; the spread runs record it (``capslib.tools.spread``)."""
     model = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -1,8 +1,8 @@
 """The otter-grader assignments under book/assignments/ (issue 16).
 
-Every master is built as an instructor builds it (``capslib.grading.build``: otter assign, the
+Every master is built as an instructor builds it (``capslib.tools.grading.build``: otter assign, the
 autograder zip with capslib inside). For every master, in-process with the same guard the otter
-plugin installs (``capslib.grading.install``): the solutions earn every point (hidden tests
+plugin installs (``capslib.tools.grading.install``): the solutions earn every point (hidden tests
 included), the blank student version earns none, and each delegation route -- for every student
 function paired with a capslib callable -- earns nothing on its question, with the
 DelegationError as the reason in every failed test, while a plain wrapper without the guard does earn
@@ -24,7 +24,7 @@ import nbformat
 import otter.test_files as otter_test_files
 import pytest
 
-import capslib.grading as grading
+import capslib.tools.grading as grading
 
 ROOT = Path(__file__).resolve().parents[1]
 MASTERS = sorted((ROOT / "book" / "assignments").glob("*.ipynb"))
@@ -44,9 +44,9 @@ def _config(out: Path) -> dict:
     """The NoDelegation plugin's configuration in the generated autograder."""
     cfg = json.loads((out / "autograder" / "otter_config.json").read_text())
     for plugin in cfg.get("plugins", []):
-        if isinstance(plugin, dict) and "capslib.grading.NoDelegation" in plugin:
-            return plugin["capslib.grading.NoDelegation"]
-    raise AssertionError(f"{out.name}: the master does not configure capslib.grading.NoDelegation")
+        if isinstance(plugin, dict) and "capslib.tools.grading.NoDelegation" in plugin:
+            return plugin["capslib.tools.grading.NoDelegation"]
+    raise AssertionError(f"{out.name}: the master does not configure capslib.tools.grading.NoDelegation")
 
 
 def _split(name: str) -> tuple[str, list[str]]:
@@ -87,8 +87,8 @@ def _route_source(route: str, fn: str, target: str) -> str:
         rest = "".join(f".{a}" for a in attrs[1:])
         return f"from {module} import {attrs[0]} as _from_{fn}\n" + head + f"    return _from_{fn}{rest}(*args, **kwargs)\n"
     if route == "reference":
-        return "import capslib.grading\n" + head + \
-            f"    return capslib.grading.reference({target!r})(*args, **kwargs)\n"
+        return "import capslib.tools.grading\n" + head + \
+            f"    return capslib.tools.grading.reference({target!r})(*args, **kwargs)\n"
     if route == "reload":
         defining = grading.resolve(target).__module__
         return (f"import importlib, sys, {module}\n" + head +
@@ -184,7 +184,7 @@ def test_zip_is_complete(built):
     master, out, zip_path = built
     names = set(zipfile.ZipFile(zip_path).namelist())
     assert {"run_autograder", "setup.sh", "otter_config.json", "environment.yml",
-            "capslib/grading.py", "files/capslib/grading.py"} <= names
+            "capslib/tools/__init__.py", "capslib/tools/grading.py", "files/capslib/tools/grading.py"} <= names
     assert {f"tests/{p.name}" for p in (out / "autograder" / "tests").glob("q*.py")} <= names
 
 

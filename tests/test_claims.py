@@ -5,7 +5,8 @@ import math
 import nbformat
 import pytest
 
-from capslib import claims, spread
+from capslib import claims
+from capslib.tools import spread
 
 
 def test_check_passes_returns_and_raises_with_the_claim_named(monkeypatch):

@@ -225,7 +225,7 @@ def test_smoke_run_cuts_epochs_and_data_and_keeps_files_apart(monkeypatch):
 
 def test_smoke_runner_sorts_failed_claims_from_crashes(tmp_path, monkeypatch):
     import nbformat
-    from capslib import smoke
+    from capslib.tools import smoke
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("import os\nprint(os.environ['CAPSBOOK_SMOKE'], os.environ['CAPSBOOK_PROFILE'])"),
         nbformat.v4.new_code_cell("assert 1 + 1 == 3, 'a claim a one-epoch run cannot meet'"),

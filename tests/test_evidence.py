@@ -187,7 +187,7 @@ def test_bibliography_labels_are_author_year():
     from pybtex.database import parse_file
     from pybtex.plugin import find_plugin
 
-    from capslib import sphinx_bib
+    from capslib.tools import sphinx_bib
 
     sphinx_bib.register()
     bib = parse_file(str(paper.BIB))

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from capslib import bench, profiles, reproduce
+from capslib import profiles
+from capslib.tools import bench, reproduce
 
 
 def test_bench_quick_runs_on_cpu(tmp_path):
@@ -83,7 +84,7 @@ def test_progress_bars_switch(monkeypatch):
 
 
 def test_bundle_pins_every_package_from_the_lock():
-    from capslib import bundle
+    from capslib.tools import bundle
     versions = bundle.locked_versions()
     reqs = bundle.requirements(bundle.CORE + bundle.SCIENTIFIC, versions)
     assert len(reqs) == len(bundle.CORE + bundle.SCIENTIFIC)
@@ -94,8 +95,8 @@ def test_bundle_pins_every_package_from_the_lock():
 
 
 def test_bundle_run_script_installs_without_an_index():
-    from capslib import bundle
-    assert "--no-index" in bundle.RUN_SH and "capslib.reproduce" in bundle.RUN_SH
+    from capslib.tools import bundle
+    assert "--no-index" in bundle.RUN_SH and "capslib.tools.reproduce" in bundle.RUN_SH
     with pytest.raises(SystemExit):
         bundle.main(["--python-version", "three"])
 
@@ -107,7 +108,7 @@ def test_sliced_wait_reads_a_message_that_a_long_poll_would_miss():
     import time
     from queue import Empty
 
-    from capslib import execute
+    from capslib.tools import execute
 
     ready_at = time.monotonic() + 0.3
 
@@ -147,7 +148,7 @@ def test_book_execution_stages_copies_outside_the_sources(tmp_path):
 
 
 def test_kernel_environment_keeps_the_inline_backend(monkeypatch):
-    from capslib import execute
+    from capslib.tools import execute
 
     monkeypatch.setenv("MPLBACKEND", "agg")
     env = execute.environment("full", CAPSBOOK_SMOKE="1")
@@ -159,7 +160,7 @@ def test_kernel_environment_keeps_the_inline_backend(monkeypatch):
 def test_execute_main_writes_the_executed_copy_and_reports_a_failing_cell(tmp_path):
     import nbformat
 
-    from capslib import execute
+    from capslib.tools import execute
 
     good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")]), good)

@@ -1,4 +1,4 @@
-"""capslib.spread.restamp: runs measured on a named earlier version of a chapter are marked as
+"""capslib.tools.spread.restamp: runs measured on a named earlier version of a chapter are marked as
 measured on its current code only with a reason, keeping the old digest; runs of any other version
 and chapters not named are left alone."""
 import json
@@ -6,7 +6,7 @@ import json
 import nbformat
 import pytest
 
-from capslib import spread
+from capslib.tools import spread
 
 
 def _chapter(tmp_path, name, code):

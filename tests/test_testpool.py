@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from capslib import testpool
+from capslib.tools import testpool
 
 
 def _fake_run(events, seconds, fail=()):

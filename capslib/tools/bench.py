@@ -1,4 +1,4 @@
-"""``python -m capslib.bench [--quick] [--compile] [--json PATH]``: training speed of each chapter's model.
+"""``python -m capslib.tools.bench [--quick] [--compile] [--json PATH]``: training speed of each chapter's model.
 
 For each chapter's ``full`` network (its sizes from :mod:`capslib.profiles`) one training step
 (forward, backward, Adam) is timed on random images of the chapter's batch size, in float32 and
@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import profiles
+from .. import profiles
 
 FULL_TRAIN = 55_000   # full MNIST training images (5,000 of the 60k are held out for validation)
 
@@ -39,7 +39,7 @@ class Case:
 
 
 def _capsnet_loss(recon_weight: float):
-    from .models import capsnet_loss
+    from ..models import capsnet_loss
 
     def loss(model, x, y):
         return capsnet_loss(model(x, y), x, y, recon_weight=recon_weight)
@@ -47,13 +47,13 @@ def _capsnet_loss(recon_weight: float):
 
 
 def _margin_only(model, x, y):
-    from .ops import margin_loss
+    from ..ops import margin_loss
     v, _ = model.encode(x)  # chapter 6's network has no decoder: the decoder here is never run
     return margin_loss(v.float().norm(dim=-1), y)
 
 
 def _spread(model, x, y):
-    from .em import spread_loss
+    from ..em import spread_loss
     return spread_loss(model(x).activations.float(), y, 0.5)
 
 
@@ -63,9 +63,9 @@ def _reconstruction(model, x, y):
 
 def cases(quick: bool = False) -> list[Case]:
     """The timed models: each chapter's ``full`` network (``quick``: tiny stand-ins of the same code)."""
-    from .em import EMCapsNet
-    from .models import CapsNet
-    from .poe import ConvAutoencoder
+    from ..em import EMCapsNet
+    from ..models import CapsNet
+    from ..poe import ConvAutoencoder
 
     s2 = profiles.settings("02_dynamic_routing", "full")
     s5 = profiles.settings("05_em_routing", "full")
@@ -232,7 +232,7 @@ def run(quick: bool = False, compile: bool = False, steps: int | None = None, de
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m capslib.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m capslib.tools.bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny networks, seconds on a CPU")
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
     p.add_argument("--steps", type=int, default=None)

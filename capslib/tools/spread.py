@@ -1,6 +1,6 @@
 """The spread table: every claim on a trained number, measured over seeds and thread counts.
 
-``python -m capslib.spread`` (``make spread``) executes the chapters at the ``ci`` profile once
+``python -m capslib.tools.spread`` (``make spread``) executes the chapters at the ``ci`` profile once
 per (seed, thread count) with ``$CAPSBOOK_CLAIMS_LOG`` set, so that each
 :func:`capslib.claims.check` logs its value instead of asserting it, and gathers the values
 in ``book/results/ci_spread.json``: per claim the bound, every run's value, mean, standard
@@ -8,10 +8,10 @@ deviation, the worst run and its margin. A run keeps its checkpoints and results
 (``$CAPSBOOK_TAG``) and removes them when it ends. Chapters of one (seed, threads) run in
 order, in one job, because chapter 7 reads chapter 2's checkpoint.
 
-    python -m capslib.spread --seeds 0 1 2 3 4 --threads 2            # five seeds, two threads
-    python -m capslib.spread --seeds 0 1 2 3 4 --threads 1 --jobs 2   # the same at one thread, two at a time
-    python -m capslib.spread --table                                  # the Markdown table of the file
-    python -m capslib.spread --rebound    # bounds moved in the notebooks: re-judge the same values
+    python -m capslib.tools.spread --seeds 0 1 2 3 4 --threads 2            # five seeds, two threads
+    python -m capslib.tools.spread --seeds 0 1 2 3 4 --threads 1 --jobs 2   # the same at one thread, two at a time
+    python -m capslib.tools.spread --table                                  # the Markdown table of the file
+    python -m capslib.tools.spread --rebound    # bounds moved in the notebooks: re-judge the same values
 
 Measurements merge into the existing file (a run replaces the values of its own seed,
 thread count, processor and chapters), so the table can be refreshed a chapter at a time. Each
@@ -37,10 +37,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .claims import margin, read_log
-from .session import cpu_name
+from ..claims import margin, read_log
+from ..session import cpu_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 BOOK = ROOT / "book"
 SPREAD_FILE = BOOK / "results" / "ci_spread.json"
 LOCK_FILE = ROOT / "requirements.lock"
@@ -74,7 +74,7 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> d
                 log.unlink(missing_ok=True)
                 t0 = time.perf_counter()
                 proc = subprocess.run(
-                    [sys.executable, "-m", "capslib.execute", f"--timeout={CELL_TIMEOUT}",
+                    [sys.executable, "-m", "capslib.tools.execute", f"--timeout={CELL_TIMEOUT}",
                      "--output-dir", str(workdir / tag), str(nb)],
                     env=env, capture_output=True, text=True, cwd=ROOT)
                 seconds = time.perf_counter() - t0
@@ -89,7 +89,7 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> d
             print(f"{run_key(seed, threads)}: {nb.stem} {seconds:.0f} s"
                   + (f", {len(out[nb.stem]['claims'])} claims" if not error else f", ERROR {error}"), flush=True)
     finally:
-        from .data import DATA_DIR
+        from ..data import DATA_DIR
         for d in (DATA_DIR / "checkpoints" / f"ci-{tag}", BOOK / "results" / f"ci-{tag}", workdir / tag):
             shutil.rmtree(d, ignore_errors=True)
     return out
@@ -111,7 +111,7 @@ def notebook_claims(notebooks: list[Path] | None = None) -> dict[str, dict]:
 
     import nbformat
 
-    from .claims import BOUNDS
+    from ..claims import BOUNDS
 
     found: dict[str, dict] = {}
     for nb_path in notebooks or chapters():

@@ -6,8 +6,8 @@ nbval's chapters cannot share a process. Two processes at one thread each keep b
 Every claim a chapter asserts is measured at one thread as well as two (``make spread``; the
 README's spread table), so the thread count does not change what the test checks.
 
-    python -m capslib.testpool --jobs 2 --threads 1                 # unit tests, chapters 1-7, scoreboard
-    python -m capslib.testpool --jobs 1 --threads 2 unit 02          # those only, one at a time
+    python -m capslib.tools.testpool --jobs 2 --threads 1                 # unit tests, chapters 1-7, scoreboard
+    python -m capslib.tools.testpool --jobs 1 --threads 2 unit 02          # those only, one at a time
 
 Jobs start longest first (the order of :data:`ORDER`, from measured times) so that the two queues end
 close together; a job waits for the jobs it reads from (chapter 7 loads chapter 2's checkpoint).
@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 LOGS = ROOT / "_build" / "test-logs"
 # Longest first, from the chapters' 1-thread spread times and the unit tests' time on 2 cores
 ORDER = ["04", "02", "06", "05", "unit", "07", "03", "01", "scoreboard"]
@@ -116,7 +116,7 @@ def run(jobs: list[str], n_jobs: int = 2, threads: int = 1, profile: str = "ci")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m capslib.testpool", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m capslib.tools.testpool", description=__doc__.splitlines()[0])
     p.add_argument("jobs", nargs="*", help="'unit' and chapter numbers (default: unit and every chapter)")
     p.add_argument("--jobs", dest="n_jobs", type=int, default=2, help="jobs at once (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per job (default 1)")

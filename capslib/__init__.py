@@ -1,9 +1,10 @@
 """capslib: the small library behind *Capsule Networks, Derived and Reproduced*.
 
-Contract (DESIGN.md): ``squash``, ``unsquash``, ``margin_loss``,
-``dynamic_routing``, ``em_routing`` and the modules ``rem``, ``soft_routing``,
-``poe``, ``layers``, ``models``, ``data``, ``train``, ``viz``, ``widgets``,
-``profiles``, ``results``. ``setup()`` opens every chapter.
+Contract (DESIGN.md): ``squash``, ``unsquash``, ``margin_loss``, ``dynamic_routing``,
+``em_routing`` and the modules ``rem``, ``soft_routing``, ``poe``, ``layers``, ``models``,
+``data``, ``train``: what the book teaches and a reader reuses. The book's machinery (set-up,
+profiles, results, figures) is :mod:`capslib.book`, whose ``setup()`` opens every chapter; the
+commands are :mod:`capslib.tools`. This package imports neither.
 """
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import importlib
 
 from .ops import margin_loss, squash, unsquash
 from .routing import dynamic_routing
-from .session import setup
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"data", "layers", "models", "train", "viz", "widgets", "profiles", "results", "session",
-               "routing", "ops", "rem", "soft_routing", "poe", "em", "claims", "paper", "stats"}
+_SUBMODULES = {"data", "layers", "models", "train", "routing", "ops", "rem", "soft_routing", "poe", "em",
+               "multimnist", "pitfalls", "coupling_gradient", "checks", "switches"}
 
 
 def __getattr__(name):
@@ -27,4 +27,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'capslib' has no attribute {name!r}")
 
 
-__all__ = ["squash", "unsquash", "margin_loss", "dynamic_routing", "em_routing", "setup", *sorted(_SUBMODULES)]
+__all__ = ["squash", "unsquash", "margin_loss", "dynamic_routing", "em_routing", *sorted(_SUBMODULES)]

@@ -97,8 +97,9 @@ class CapsNet(nn.Module):
 
 def capsnet_loss(out: CapsOutput, x: torch.Tensor, y: torch.Tensor, recon_weight: float = 0.0005):
     """Margin loss (Eq. 4) plus ``recon_weight`` x the sum of squared pixel errors, batch mean (Sec. 4.1)."""
-    recon = ((out.reconstruction.float() - x.float()) ** 2).flatten(1).sum(dim=1).mean()
-    return margin_loss(out.lengths.float(), y) + recon_weight * recon
+    dt = torch.promote_types(out.lengths.dtype, torch.float32)   # bf16 -> float32; float64 stays
+    recon = ((out.reconstruction.to(dt) - x.to(dt)) ** 2).flatten(1).sum(dim=1).mean()
+    return margin_loss(out.lengths.to(dt), y) + recon_weight * recon
 
 
 _ELSEWHERE = {

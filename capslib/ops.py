@@ -121,7 +121,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     product, so both ways give the same bits (``tests/test_core.py`` checks it; the README lists the
     chapter executions compared); forward values and the other gradient are ``torch.bmm``'s own.
     FLOP counters (``torch.utils.flop_counter``) no longer count those outer products.
-    Measured on 2 cores (AMD EPYC, torch 2.13, with :func:`capslib.session.keep_freed_memory`), a
+    Measured on 2 cores (AMD EPYC, torch 2.13, with :func:`capslib.book.session.keep_freed_memory`), a
     training step of chapter 5's ``ci`` EM network took 48-54 ms instead of 52-61 ms, and one of
     chapter 2's ``ci`` CapsNet 48 ms instead of 51 ms. Under autocast the
     inputs are cast to its dtype first, as ``torch.bmm`` would be.

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import profiles
+from .book import profiles
 from .checks import check_positive_int, check_tensor
 from .ops import squash, unsquash
 

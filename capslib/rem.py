@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import prune
 
-from . import profiles
+from .book import profiles
 from .checks import check_positive_int, check_tensor
 from .layers import DenseCaps
 from .ops import margin_loss, squash

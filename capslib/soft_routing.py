@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from . import profiles
+from .book import profiles
 from .checks import check_positive_int, check_tensor
 
 CHAPTER = "03_soft_routing_gradients"
@@ -470,7 +470,7 @@ def route_heatmaps(matrices, titles, xlabel: str = "route j", ylabel: str = "cla
     """Heatmaps of ``(C, M)`` class-by-route matrices (chapter 3), at most ``per_row`` to a row, on
     one colour scale: the learned routing weights and the agreement couplings are drawn by this.
     Panels are sized so that three to a row of four routes each stay within the book's column."""
-    from .viz import heatmap_grid
+    from .book.viz import heatmap_grid
 
     mats = [m.detach().float().cpu().numpy() if isinstance(m, torch.Tensor) else m for m in matrices]
     width = mats[0].shape[1] if mats else 0

@@ -35,10 +35,10 @@ def checkpoint_path(name: str, profile: str | None = None) -> Path:
     """``data/checkpoints/<profile>/<name>.pt`` (git-ignored; ``<profile>-smoke`` in a smoke run).
     ``$CAPSBOOK_CHECKPOINTS`` replaces ``data/checkpoints``: ``make publish`` points it at an empty
     folder so that every training of the published outputs starts from scratch."""
-    from . import profiles
+    from . import switches
 
     root = os.environ.get("CAPSBOOK_CHECKPOINTS", "").strip()
-    return (Path(root) if root else DATA_DIR / "checkpoints") / (profile or profiles.storage_name()) / f"{name}.pt"
+    return (Path(root) if root else DATA_DIR / "checkpoints") / (profile or switches.storage_name()) / f"{name}.pt"
 
 
 def save_checkpoint(path: str | Path, state: dict) -> None:
@@ -223,7 +223,7 @@ class TimeLimitReached(RuntimeError):
 
 
 def time_limit() -> float | None:
-    """``$CAPSBOOK_TIME_LIMIT`` in seconds (counted from ``capslib.setup()``), or None when unset."""
+    """``$CAPSBOOK_TIME_LIMIT`` in seconds (counted from ``capslib.book.setup()``), or None when unset."""
     raw = os.environ.get("CAPSBOOK_TIME_LIMIT", "").strip()
     if not raw:
         return None
@@ -310,13 +310,13 @@ def fit(
         amp: bf16 autocast on CUDA (default: on for CUDA).
         eval_batch_size: images per forward pass when ``val`` is scored after each epoch.
         compile: train through ``torch.compile(model, backend=compile_backend)`` (default: when
-            ``$CAPSBOOK_COMPILE`` is set, see :func:`capslib.profiles.compile_requested`). Off by
+            ``$CAPSBOOK_COMPILE`` is set, see :func:`capslib.switches.compile_requested`). Off by
             default: the book's timings are eager. Checkpoints hold the plain model's weights.
         augment: ``augment(x) -> x`` applied to every training batch before the forward pass (e.g.
             :class:`capslib.data.RandomShift`, the paper's shifts); it joins the fingerprint.
-        seed: seeds the minibatch permutations (default: the session's seed, ``capslib.setup``).
+        seed: seeds the minibatch permutations (default: the run's seed, :func:`capslib.switches.default_seed`).
         Time limit: with ``$CAPSBOOK_TIME_LIMIT`` set and a ``checkpoint``, a run that has used up
-            that many seconds since ``capslib.setup()`` raises :class:`TimeLimitReached` after
+            that many seconds since ``capslib.book.setup()`` raises :class:`TimeLimitReached` after
             writing the checkpoint of the epoch it just finished; calling it again resumes there.
         checkpoint: written atomically after every epoch with the run's fingerprint
             (:func:`run_fingerprint`). An existing file is resumed only when its fingerprint
@@ -340,15 +340,14 @@ def fit(
         raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
     device = train.x.device
     amp = device.type == "cuda" if amp is None else amp
-    from . import profiles
+    from . import switches
     step_model = model
-    if profiles.compile_requested() if compile is None else compile:
+    if switches.compile_requested() if compile is None else compile:
         step_model = torch.compile(model, backend=compile_backend)
     optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, lr_decay) if lr_decay else None
     if seed is None:
-        from .session import current_session
-        seed = current_session().seed
+        seed = switches.default_seed()
     history: dict = {"loss": [], "train_acc": [], "val_acc": [], "seconds": [], "images_per_s": []}
     start = 0
     fingerprint = None
@@ -378,8 +377,7 @@ def fit(
     # a time limit stops only runs that keep a checkpoint (nothing trained is lost)
     limit = time_limit() if checkpoint is not None else None
     if limit is not None:
-        from .session import current_session
-        started = current_session().started
+        started = switches.run_started()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(start):  # keep the permutation sequence identical on resume
         torch.randperm(len(train), generator=gen)
@@ -388,6 +386,9 @@ def fit(
     ranks = distributed_ranks()
     if ranks is not None:
         _broadcast_parameters(model)
+        # each rank its own random stream for what a step draws (dropout masks), not the same masks W times
+        torch.manual_seed(seed * 1009 + ranks[0])
+        limit = None   # a time limit would stop one rank between collectives: not under torchrun
     for epoch in range(start, epochs):
         model.train()
         perm = torch.randperm(n, generator=gen).to(device)
@@ -400,7 +401,7 @@ def fit(
         nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         seen = 0
         bar = tqdm(range(steps), desc=f"{desc} {epoch + 1}/{epochs}", leave=False,
-                   disable=not progress or tqdm is None or not profiles.progress_bars(), mininterval=1.0)
+                   disable=not progress or tqdm is None or not switches.progress_bars(), mininterval=1.0)
         for s in bar:
             idx = perm[s * batch_size:(s + 1) * batch_size]
             xb, yb = train.x[idx], train.y[idx]
@@ -479,7 +480,9 @@ def distributed_ranks() -> tuple[int, int] | None:
     ``r, r + W, ...``; each rank's batch-mean loss is weighted by its share of the batch and the
     gradients are summed over the ranks, so every rank takes the step one process would take on the
     global batch (up to the order of floating-point sums). Losses, accuracies and image counts are
-    summed over ranks; rank 0 alone prints and writes checkpoints."""
+    summed over ranks; rank 0 alone prints and writes checkpoints. Every rank must run the same code
+    path (the same parameters receive gradients on each), and ``$CAPSBOOK_TIME_LIMIT`` is not applied.
+    Dropout and other random draws inside a step use a stream of each rank's own."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -494,13 +497,13 @@ def init_distributed() -> torch.device:
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     cuda = torch.cuda.is_available()
+    dev = torch.device("cpu")
+    if cuda:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
+        torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    return dev
 
 
 def _broadcast_parameters(model: nn.Module) -> None:

@@ -14,7 +14,7 @@ A page fails on
 - a console error: an uncaught exception, a console message of type error (a missing file among
   them), or a request that leaves loopback;
 - an interactive figure (``div.animation``: the frame player of matplotlib's ``to_jshtml`` or of
-  ``capslib.widgets``: an ``<img>`` and an ``<input type=range>``) whose slider, moved to each
+  ``capslib.book.widgets``: an ``<img>`` and an ``<input type=range>``) whose slider, moved to each
   position in turn, does not change the displayed image's ``src``;
 - a menu that does not open: at 400 px the chapter list is hidden until the primary-sidebar toggle
   is clicked, and must then be visible inside the viewport; at 1280 px it must be visible, and the
@@ -22,7 +22,7 @@ A page fails on
 - an illegible image. An image wider than the column is scaled down by ``ratio = natural width /
   rendered width``. A figure saved at ``dpi`` draws a font of ``s`` pt ``s * dpi / 72`` pixels high,
   so on the page it is ``s * dpi / 72 / ratio`` CSS px high. The smallest font the book's figures
-  use is ``FIGURE_FONT_PT`` = 8 pt (capslib.viz's panel titles; matplotlib's default text is 10 pt)
+  use is ``FIGURE_FONT_PT`` = 8 pt (capslib.book.viz's panel titles; matplotlib's default text is 10 pt)
   and it must stay at least ``MIN_FONT_PX`` = 6 CSS px high (the reviewer's 4-5 px tick labels were
   unreadable), so the largest ratio allowed is ``8 * dpi / 72 / 6``: 1.85 for a PNG at dpi 100,
   3.7 for a retina PNG at dpi 200. The dpi is read from the PNG's pHYs chunk (matplotlib writes
@@ -30,7 +30,7 @@ A page fails on
   sizes are in points). The rule is enforced at both widths (``LEGIBLE_AT``): at 400 px the page's
   script ``book/_static/capsbook.js`` keeps each output image at least 1/1.75 of its declared width
   and lets its output area scroll sideways, so a phone shows figures legibly rather than whole;
-- at 1280 px, an output column narrower than ``capslib.viz.COLUMN_PX`` (688 px): every figure's
+- at 1280 px, an output column narrower than ``capslib.book.viz.COLUMN_PX`` (688 px): every figure's
   smallest text is measured for that column (``tests/test_outputs.py``, at least 9 pt there).
 """
 from __future__ import annotations
@@ -305,13 +305,13 @@ def _legibility(images: list[dict], base: str, page: str) -> list[tuple[str, str
 
 
 def _column_problems(images: list[dict]) -> list[str]:
-    """At 1280 px every output image sits in a column of capslib.viz.COLUMN_PX CSS px: the width
+    """At 1280 px every output image sits in a column of capslib.book.viz.COLUMN_PX CSS px: the width
     each figure's text was measured for (tests/test_outputs.py). A narrower column would shrink
     every figure below the size that test checks."""
-    from capslib import viz
+    from capslib.book import viz
 
     narrow = sorted({round(im["column"]) for im in images if im["column"] and im["column"] < viz.COLUMN_PX - 1})
-    return [f"output column {w} px wide; figures are drawn for {viz.COLUMN_PX} px (capslib.viz.COLUMN_PX)"
+    return [f"output column {w} px wide; figures are drawn for {viz.COLUMN_PX} px (capslib.book.viz.COLUMN_PX)"
             for w in narrow]
 
 

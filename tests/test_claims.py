@@ -1,11 +1,11 @@
-"""Claims on trained numbers (capslib.claims) and the spread table that backs them."""
+"""Claims on trained numbers (capslib.book.claims) and the spread table that backs them."""
 import json
 import math
 
 import nbformat
 import pytest
 
-from capslib import claims
+from capslib.book import claims
 from capslib.tools import spread
 
 

@@ -253,7 +253,7 @@ def test_routing_is_the_einsum_routing_bit_for_bit(shape, detach):
 def test_setup_keeps_freed_memory_on_linux_glibc():
     import platform
 
-    from capslib import session
+    from capslib.book import session
 
     applies = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert session.keep_freed_memory() is applies
@@ -333,7 +333,7 @@ def test_dense_caps_votes_use_pruning_mask():
 
 
 def test_profiles_settings_imports_chapter_module():
-    from capslib import profiles
+    from capslib.book import profiles
     s = profiles.settings("02_dynamic_routing", "full")
     assert s.conv_channels == 256 and s.primary_types == 32 and s.batch_size == 128
     with pytest.raises(KeyError, match="no sizes"):

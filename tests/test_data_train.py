@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import capslib
-from capslib import data, models, results, train
+from capslib import data, models, train
+from capslib.book import results
 
 
 def test_embedded_split_sizes_disjoint_and_balanced():
@@ -130,13 +131,13 @@ def test_fit_bad_arguments():
 
 def test_results_record_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "RESULTS_DIR", tmp_path)
-    capslib.setup(quiet=True)
+    capslib.book.setup(quiet=True)
     path = results.record("99_test", {"acc": torch.tensor(0.5), "curve": [1.0, 2.0]})
     payload = json.loads(path.read_text())
     assert payload["metrics"] == {"acc": 0.5, "curve": [1.0, 2.0]}
     assert payload["profile"] == "ci" and "torch" in payload and "device" in payload
     if not torch.cuda.is_available():  # the processor, as setup() prints it, and a thread count
-        from capslib.session import cpu_label, cpu_name
+        from capslib.book.session import cpu_label, cpu_name
         assert payload["device"] == f"cpu ({cpu_label()})" and payload["device"].startswith(f"cpu ({cpu_name()}, ")
         assert cpu_label(1).endswith(", 1 thread") and cpu_label(2).endswith(", 2 threads")
     assert results.load("99_test")["metrics"]["acc"] == 0.5
@@ -205,7 +206,8 @@ def test_affnist_reads_files_in_order_with_orientation(tmp_path, monkeypatch):
 
 
 def test_smoke_run_cuts_epochs_and_data_and_keeps_files_apart(monkeypatch):
-    from capslib import profiles, results, train
+    from capslib import train
+    from capslib.book import profiles, results
     monkeypatch.delenv("CAPSBOOK_SMOKE", raising=False)
     full = profiles.settings("02_dynamic_routing", "full")
     assert full.epochs == 50 and profiles.storage_name("full") == "full"
@@ -258,7 +260,7 @@ def test_fit_through_torch_compile_matches_eager_and_checkpoints_plain_weights(t
     saved = train.load_checkpoint(ck)["model"]
     assert set(saved) == set(eager.state_dict())  # no "_orig_mod." prefix: loads into a plain model
     monkeypatch.setenv("CAPSBOOK_COMPILE", "1")
-    from capslib import profiles
+    from capslib.book import profiles
     assert profiles.compile_requested()
     monkeypatch.setenv("CAPSBOOK_COMPILE", "0")
     assert not profiles.compile_requested()
@@ -330,7 +332,7 @@ def test_start_from_continues_a_shared_shorter_run(tmp_path, capsys):
 
 
 def test_session_reads_seed_and_threads_from_the_environment(monkeypatch):
-    from capslib import session
+    from capslib.book import session
     monkeypatch.setenv("CAPSBOOK_SEED", "3")
     monkeypatch.setenv("CAPSBOOK_THREADS", str(torch.get_num_threads()))
     assert session.setup(quiet=True).seed == 3
@@ -347,7 +349,7 @@ def test_session_reads_seed_and_threads_from_the_environment(monkeypatch):
 
 
 def test_tagged_runs_keep_their_files_apart(monkeypatch):
-    from capslib import profiles
+    from capslib.book import profiles
     monkeypatch.setenv("CAPSBOOK_TAG", "spread-s1-t2")
     assert profiles.storage_name("ci") == "ci-spread-s1-t2"
     monkeypatch.setenv("CAPSBOOK_TAG", "../x")
@@ -357,8 +359,9 @@ def test_tagged_runs_keep_their_files_apart(monkeypatch):
 
 _SHORT_CH2_RUN = r"""
 import json, torch, capslib
-from capslib import data, models, profiles, train
-sess = capslib.setup(quiet=True)
+from capslib import data, models, train
+from capslib.book import profiles
+sess = capslib.book.setup(quiet=True)
 cfg = profiles.settings("02_dynamic_routing", "ci")
 splits = data.load("embedded")
 torch.manual_seed(sess.seed)
@@ -410,7 +413,7 @@ def test_time_limit_stops_at_an_epoch_boundary_and_resumes_to_the_same_weights(t
     straight = _tiny()
     train.fit(straight, d, _loss, epochs=3, batch_size=16, progress=False)
     ck = tmp_path / "limited.pt"
-    capslib.setup(quiet=True)
+    capslib.book.setup(quiet=True)
     monkeypatch.setenv("CAPSBOOK_TIME_LIMIT", "1e-6")       # already used up: stop after every epoch
     for done in (1, 2):
         with pytest.raises(train.TimeLimitReached, match=f"stopped after epoch {done}/3"):

@@ -1,4 +1,4 @@
-"""The sourced paper table (capslib.paper), comparisons over seeds (capslib.stats) and the glue helpers."""
+"""The sourced paper table (capslib.book.paper), comparisons over seeds (capslib.book.stats) and the glue helpers."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from capslib import paper, results, stats
+from capslib.book import paper, results, stats
 
 
 # --- the paper table -------------------------------------------------------------------------

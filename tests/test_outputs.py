@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from capslib import viz
+from capslib.book import viz
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
 NOTEBOOKS = sorted(BOOK.glob("[0-9]*.ipynb")) + [BOOK / "scoreboard.ipynb"]
@@ -101,7 +101,7 @@ def figure_texts(nb: dict) -> list[tuple[int, str, dict | None]]:
 def test_every_figure_is_legible_in_the_column(path):
     """Every figure's smallest text is at least 9 pt (viz.MIN_TEXT_PX CSS px) where the book shows
     it: in the 688-px column of a 1280-px window, after a wide figure is scaled down to the column.
-    capslib measures each figure when the kernel shows it (capslib.session, capslib.widgets); an
+    capslib measures each figure when the kernel shows it (capslib.book.session, capslib.book.widgets); an
     output without that measurement was executed before it existed and is refused too. A figure
     whose text names an equation by its internal label (``ch2-softmax``) is refused as well."""
     problems = []

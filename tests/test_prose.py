@@ -81,7 +81,7 @@ def test_no_typed_result_numbers(path):
     found = [f"cell {i}: …{hit}…" for i, kind, src in _cells(path) if kind == "markdown"
              for hit in typed_numbers(src)]
     assert not found, (f"{path.name}: numbers typed into prose (glue measured numbers with "
-                       f"capslib.results.glue, paper numbers from book/paper_results.yml, settings in "
+                       f"capslib.book.results.glue, paper numbers from book/paper_results.yml, settings in "
                        f"math):\n" + "\n".join(found))
 
 

@@ -249,7 +249,7 @@ def test_compare_methods_trains_four_networks_with_keyed_checkpoints_and_resumes
     from capslib import train
 
     monkeypatch.setattr(train, "DATA_DIR", tmp_path)
-    capslib.setup(seed=0, quiet=True)
+    capslib.book.setup(seed=0, quiet=True)
     S = types.SimpleNamespace(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, iterations=2,
                               epochs=2, pretrain_epochs=1, batch_size=16, lr=1e-3, lr_decay=None,
                               lobster_lambda=1e-2, lobster_decay=0.9, lobster_tolerance=0.5, search_steps=3,

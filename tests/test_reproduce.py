@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from capslib import profiles
+from capslib.book import profiles
 from capslib.tools import bench, reproduce
 
 

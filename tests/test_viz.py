@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from capslib import viz
+from capslib.book import viz
 
 
 def test_tile_places_each_image():
@@ -46,7 +46,7 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
 
     import IPython.display
 
-    from capslib import widgets
+    from capslib.book import widgets
 
     shown, published = [], []
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
@@ -79,7 +79,7 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
 def test_png_size_reads_the_header_and_rejects_other_data():
     import io
 
-    from capslib import widgets
+    from capslib.book import widgets
 
     fig = matplotlib.pyplot.figure(figsize=(3, 2))
     buf = io.BytesIO()
@@ -94,7 +94,7 @@ def test_interactive_figure_rejects_a_knob_that_changes_nothing_and_bad_controls
     import IPython.display
     import pytest
 
-    from capslib import widgets
+    from capslib.book import widgets
 
     monkeypatch.setattr(IPython.display, "display", lambda obj: None)
     monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: None)
@@ -116,7 +116,7 @@ def test_interactive_figure_dropdown_starts_at_its_value(monkeypatch):
     import IPython.display
     import pytest
 
-    from capslib import widgets
+    from capslib.book import widgets
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
@@ -172,12 +172,12 @@ def test_text_on_page_scales_wide_figures_to_the_column_and_finds_the_smallest_t
 
 
 def test_inline_figures_carry_their_text_measurement():
-    """In a kernel, capslib.setup() makes the PNG formatter put viz.text_on_page's numbers in the
+    """In a kernel, capslib.book.setup() makes the PNG formatter put viz.text_on_page's numbers in the
     output's metadata (tests/test_outputs.py reads them from the committed notebooks)."""
     from IPython.core.formatters import PNGFormatter
     from matplotlib.figure import Figure
 
-    from capslib import session
+    from capslib.book import session
 
     fmt = PNGFormatter()
     fmt.for_type(Figure, lambda fig: (b"png", {"width": 10}))

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import data, models, paper, train
+from .. import data, models, train
+from . import paper
 from ..ops import margin_loss
 from .units import Unit, encode_array, register
 
@@ -30,8 +31,12 @@ SEEDS = (0, 1, 2)
 # The schedule of every chapter-2 unit: the book's full recipe (Adam, exponential decay per epoch),
 # paper-length training, the paper's shift augmentation; float32 with TF32 matrix products on a GPU
 # (measured faster than bf16 autocast for this network, 2026-11).
-SCHEDULE = dict(dataset="mnist", epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96, max_shift=2,
-                precision="float32, TF32 matmul")
+# ``version`` counts changes to what ``run`` or ``capslib.train.fit`` do that the probe cannot see
+# (bump it with such a change: every chapter-2 result then reads stale).
+SCHEDULE = dict(version=1, dataset="mnist", split_seed=0, validation=5000, train_images=55_000, epochs=50,
+                batch_size=128, lr=1e-3, lr_decay=0.96, max_shift=2, optimizer="Adam",
+                precision="float32 weights and activations, TF32 products and convolutions",
+                eval_batch=1000, coupling_digits=2000)
 CAPSNET = dict(conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16, decoder=[512, 1024])
 # Smoke runs (CPU tests, rehearsals): the same code on the embedded digits, tiny widths, one epoch.
 SMOKE = dict(dataset="embedded", epochs=1, batch_size=32, train=256, test=200,
@@ -77,13 +82,13 @@ def capsnet_step(recon_weight: float):
             return models.capsnet_loss(out, x, y, recon_weight=recon_weight), out.lengths
         v, _ = model.encode(x)
         lengths = v.norm(dim=-1)
-        return margin_loss(lengths.float(), y), lengths
+        return margin_loss(lengths.to(torch.promote_types(lengths.dtype, torch.float32)), y), lengths
     return step
 
 
 def cnn_step(model, x, y):
     scores = model(x)
-    return F.cross_entropy(scores.float(), y), scores.detach()
+    return F.cross_entropy(scores.to(torch.promote_types(scores.dtype, torch.float32)), y), scores.detach()
 
 
 def build(unit: Unit, smoke: bool = False) -> nn.Module:
@@ -103,9 +108,16 @@ def step(unit: Unit):
 
 def probe(unit: Unit) -> dict:
     """One training step of the unit's network at full size in float64 on the CPU (seed 0, four
-    seeded random images, the unit's augmentation and loss): loss and per-parameter gradient norms."""
+    seeded random images, the unit's augmentation and loss, dropout off): loss and per-parameter
+    gradient norms."""
     torch.manual_seed(0)
-    net = build(unit, smoke=False).double()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)   # weights drawn in float64: no float32 rounding to differ by CPU
+    try:
+        net = build(unit, smoke=False)
+    finally:
+        torch.set_default_dtype(previous)
+    net.eval()   # dropout off (its masks come from CPU-specific generators); its rate is in the code's config
     g = torch.Generator().manual_seed(0)
     x = torch.rand(4, 1, 28, 28, generator=g, dtype=torch.float64)
     y = torch.tensor([0, 3, 7, 9])
@@ -174,12 +186,15 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
-    splits = data.load(SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=0)
+    splits = data.load(SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=cfg["split_seed"])
     tr, val, test = splits["train"], splits["val"], splits["test"]
     epochs = SMOKE["epochs"] if smoke else cfg["epochs"]
     batch = SMOKE["batch_size"] if smoke else cfg["batch_size"]
     if smoke:
         tr, test = tr.subset(SMOKE["train"], seed=unit.seed), test.subset(SMOKE["test"])
+    elif (len(tr), len(val)) != (cfg["train_images"], cfg["validation"]):
+        raise ValueError(f"{unit.key}: expected {cfg['train_images']:,} training and {cfg['validation']:,} validation "
+                         f"digits; got {len(tr):,} and {len(val):,} (a smoke setting in the environment?)")
     torch.manual_seed(unit.seed)
     net = build(unit, smoke).to(device)
     best = {"val": -1.0, "epoch": 0, "state": None}
@@ -192,8 +207,8 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     history = train.fit(net, tr, step(unit), epochs=epochs, batch_size=batch, lr=cfg["lr"],
                         lr_decay=cfg["lr_decay"], val=val, seed=unit.seed, amp=False, progress=True,
                         augment=data.RandomShift(cfg["max_shift"], seed=unit.seed), on_epoch_end=keep_best,
-                        eval_batch_size=1000, desc=unit.key)
-    final = train.evaluate(net, test, batch_size=1000)
+                        eval_batch_size=cfg["eval_batch"], desc=unit.key)
+    final = train.evaluate(net, test, batch_size=cfg["eval_batch"])
     with torch.no_grad():
         net.eval()
         preds = torch.cat([train.scores_of(net(test.x[i:i + 1000])).argmax(1) for i in range(0, len(test), 1000)])
@@ -206,7 +221,6 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
         "params": models.count_parameters(net),
         "images_per_s_median": float(np.median(history["images_per_s"])),
         "seconds_per_epoch_median": train.seconds_per_epoch(history),
-        "sharing_gpu": int(os.environ.get("CAPSBOOK_SHARING", "1") or 1),
     }
     arrays = {"wrong_index": encode_array(wrong_idx, "int64"), "wrong_predicted": encode_array(preds[wrong_idx], "int64"),
               "wrong_label": encode_array(test.y[wrong_idx], "int64")}
@@ -215,16 +229,16 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
         net.load_state_dict(best["state"])
         metrics["best_val_epoch"] = best["epoch"]
         metrics["best_val_accuracy"] = best["val"]
-        metrics["test_accuracy_at_best_val"] = train.evaluate(net, test, batch_size=1000)
+        metrics["test_accuracy_at_best_val"] = train.evaluate(net, test, batch_size=cfg["eval_batch"])
         net.load_state_dict(final_state)
     if cfg["model"] == "capsnet" and cfg["recon"]:
-        m, a = _capsnet_arrays(net, test, n_couplings=min(2000, len(test)))
+        m, a = _capsnet_arrays(net, test, n_couplings=min(cfg["coupling_digits"], len(test)))
         metrics.update(m)
         arrays.update(a)
     elif cfg["model"] == "capsnet":
         with torch.no_grad():
             net.eval()
-            _, c = net.encode(test.x[:min(2000, len(test))])
+            _, c = net.encode(test.x[:min(cfg["coupling_digits"], len(test))])
             c = c.float()
             ent = -(c.clamp_min(1e-12) * c.clamp_min(1e-12).log2()).sum(-1)
             metrics["coupling"] = {"mean_entropy_bits": float(ent.mean()), "uniform_entropy_bits": math.log2(c.shape[-1]),
@@ -309,7 +323,7 @@ def draw_reconstructions(result: dict):
     capsule (below), from a ``02/main`` result."""
     import matplotlib.pyplot as plt
 
-    from ..viz import COLUMN_IN
+    from .viz import COLUMN_IN
     from .units import decode_array
 
     a = result["arrays"]
@@ -327,7 +341,7 @@ def draw_perturbations(result: dict):
     capsule moved over the paper's range, the decoder's image at each step."""
     import matplotlib.pyplot as plt
 
-    from ..viz import COLUMN_IN
+    from .viz import COLUMN_IN
     from .units import decode_array
 
     a = result["arrays"]
@@ -349,9 +363,11 @@ def draw_couplings(results: list):
     values, against the uniform $1/J$ they start from."""
     import matplotlib.pyplot as plt
 
-    from ..viz import COLUMN_IN
+    from .viz import COLUMN_IN
     from .units import decode_array
 
+    if not results:
+        raise ValueError("draw_couplings needs at least one result of the main unit")
     fig, ax = plt.subplots(figsize=(COLUMN_IN * 0.8, 3.2))
     for res in results:
         h = decode_array(res["arrays"]["coupling_hist"]).astype(float)

@@ -8,13 +8,15 @@ for the chapter's figures (never weights), the configuration, a fingerprint, the
 version, commit and wall time. Results accumulate, allocation after allocation; chapters draw their
 paper-scale figures from these files, so the full edition builds on a CPU.
 
-**Fingerprints.** A result is *current* when the fingerprint stored in it equals the unit's
-fingerprint now; otherwise it is *stale* and reported as such. The fingerprint hashes the unit's
-configuration and a **computational probe**: one seeded training step of the unit's own network,
-loss and augmentation at its full size, in float64 on the CPU, its loss and per-parameter gradient
-norms rounded to 9 significant digits. Code that moves between modules or gains a comment keeps its
-results; code that changes what a training computes makes them stale. What the probe cannot see
-(epochs, batch size, learning-rate schedule, data) is in the configuration.
+**Current or stale.** A result is *current* when the configuration stored in it hashes to the
+unit's ``fingerprint`` now **and** its **computational probe** agrees with the probe computed now:
+one seeded training step of the unit's own network, loss and augmentation at full size, in float64
+on the CPU (weights drawn in float64, dropout off), its loss and per-parameter gradient norms, equal
+within a relative ``PROBE_RTOL`` (different CPUs and torch versions round float64 differently in the
+last digits; a change to what is computed moves these numbers by far more). Code that moves between
+modules or gains a comment keeps its results; code that changes what a training computes makes them
+stale. What the probe cannot see (epochs, batch size, the schedule, data, precision, a version that
+a chapter bumps when its training loop changes) is in the configuration.
 
 A unit's ``run(unit, device, smoke)`` returns ``{"metrics": {...}, "history": {...}, "arrays": {...}}``;
 ``smoke=True`` shrinks it to seconds (results under ``full-smoke/``, git-ignored).
@@ -75,7 +77,7 @@ STARTUP_SECONDS = 40.0
 # The runner plans with every projection this much longer (one H100's measured rates move by a few
 # per cent between epochs and runs; a unit over the budget is lost)
 PLAN_MARGIN = 0.15
-PROBE_DIGITS = 9
+PROBE_RTOL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -162,28 +164,31 @@ def _sha(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _round(x: float) -> float:
-    return float(f"{x:.{PROBE_DIGITS}g}") if math.isfinite(x) else x
-
-
 _PROBES: dict[tuple, dict] = {}
 
 
 def probe_values(unit: Unit) -> dict:
-    """The unit's computational probe (cached per configuration): rounded numbers."""
+    """The unit's computational probe (cached per probe function and configuration)."""
     if unit.probe is None:
         return {}
     cache = (unit.probe, json.dumps(unit.config, sort_keys=True, default=str))  # the function itself, not its name
     if cache not in _PROBES:
         with torch.random.fork_rng(devices=[]):
             raw = unit.probe(unit)
-        _PROBES[cache] = {k: _round(float(v)) for k, v in sorted(raw.items())}
+        _PROBES[cache] = {k: float(v) for k, v in sorted(raw.items())}
     return _PROBES[cache]
 
 
 def fingerprint(unit: Unit) -> str:
-    """Hash of the unit's configuration and probe (see the module's docstring)."""
-    return _sha(json.dumps({"config": unit.config, "probe": probe_values(unit)}, sort_keys=True, default=str))
+    """Hash of the unit's configuration (the probe is compared by value: :func:`probe_agrees`)."""
+    return _sha(json.dumps({"config": unit.config}, sort_keys=True, default=str))
+
+
+def probe_agrees(stored: dict | None, now: dict) -> bool:
+    """Whether a stored probe equals the probe now: the same names, every value within ``PROBE_RTOL``."""
+    if not isinstance(stored, dict) or set(stored) != set(now):
+        return False
+    return all(math.isclose(float(stored[k]), now[k], rel_tol=PROBE_RTOL, abs_tol=1e-12) for k in now)
 
 
 # ----------------------------------------------------------------------------- results
@@ -222,7 +227,7 @@ def _commit() -> tuple[str, bool]:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from ..session import cpu_label
+    from .session import cpu_label
     return f"cpu ({cpu_label()})"
 
 
@@ -248,6 +253,10 @@ MAX_RESULT_BYTES = 1_500_000
 def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = False) -> Path:
     """Run ``unit`` on ``device`` (default: CUDA when present) and write its result atomically (under
     ``torchrun``, data-parallel over the ranks, rank 0 writing; see :func:`capslib.train.distributed_ranks`)."""
+    from ..switches import smoke as smoke_env
+    if smoke_env() and not smoke:
+        raise RuntimeError(f"unit {unit.key}: CAPSBOOK_SMOKE is set, which shrinks the data; a paper-scale result "
+                           f"is not made under it (unset it, or ask for a smoke run)")
     device = torch.device(device) if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fp = fingerprint(unit)
@@ -257,6 +266,7 @@ def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = 
     ranks = distributed_ranks()
     if ranks is not None and ranks[0] != 0:   # data parallel under torchrun: rank 0 writes
         return unit.path(smoke)
+    world = ranks[1] if ranks is not None else 1
     if not isinstance(out, dict) or "metrics" not in out:
         raise TypeError(f"unit {unit.key}: run must return a dict with 'metrics'")
     commit, dirty = _commit()
@@ -264,7 +274,12 @@ def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = 
         "unit": unit.key, "chapter": unit.chapter, "name": unit.name, "seed": unit.seed,
         "what": unit.what, "smoke": smoke, "fingerprint": fp, "config": unit.config,
         "probe": probe_values(unit),
-        "device": _device_name(device), "torch": torch.__version__, "commit": commit, "uncommitted_changes": dirty,
+        "device": _device_name(device), "processes": world,
+        # units beside it on the GPU when it started, and whether it had the GPU to itself throughout
+        # (the runner with --jobs 1 says so; a unit run by hand, ``one``, is taken to)
+        "sharing_gpu": int(os.environ.get("CAPSBOOK_SHARING", "1") or 1),
+        "ran_alone": os.environ.get("CAPSBOOK_RAN_ALONE", "1") == "1",
+        "torch": torch.__version__, "commit": commit, "uncommitted_changes": dirty,
         "wall_seconds": round(time.time() - started, 1), "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
         "metrics": _plain(out["metrics"]), "history": _plain(out.get("history", {})),
         "arrays": out.get("arrays", {}),
@@ -293,23 +308,25 @@ def state(unit: Unit, smoke: bool = False) -> tuple[str, dict | None]:
     res = load(unit, smoke)
     if res is None:
         return "missing", None
-    return ("done" if res.get("fingerprint") == fingerprint(unit) else "stale"), res
+    same = res.get("fingerprint") == fingerprint(unit) and probe_agrees(res.get("probe"), probe_values(unit))
+    return ("done" if same else "stale"), res
 
 
 def measured_rate(family: str) -> float | None:
-    """Median images/s of the committed, current-or-not results of ``family`` run alone on an H100
-    (each result's history ``images_per_s`` median, scaled back from the number sharing the GPU)."""
+    """Median images/s of the committed results of ``family`` that ran alone, in one process, on an
+    H100 (each result's median epoch rate); None when there is none. Results made beside others are
+    not used: how long they shared the GPU is not known."""
     rates = []
     for u in _REGISTRY.values():
         if u.family != family:
             continue
         res = load(u)
-        if not res or "H100" not in str(res.get("device")):
+        if not res or "H100" not in str(res.get("device")) or res.get("processes", 1) != 1 \
+                or res.get("ran_alone") is not True:
             continue
         ips = res.get("history", {}).get("images_per_s") or []
-        k = int(res.get("metrics", {}).get("sharing_gpu", 1) or 1)
         if ips:
-            rates.append(float(np.median(ips)) / SHARE.get(k, SHARE[max(SHARE)]))
+            rates.append(float(np.median(ips)))
     return float(np.median(rates)) if rates else None
 
 

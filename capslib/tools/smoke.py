@@ -1,6 +1,6 @@
 """``python -m capslib.tools.smoke [--profile full] [notebook ...]``: does a profile run end to end?
 
-Executes the chapters with ``CAPSBOOK_SMOKE=1`` (see :mod:`capslib.profiles`): the profile's
+Executes the chapters with ``CAPSBOOK_SMOKE=1`` (see :mod:`capslib.book.profiles`): the profile's
 networks and code paths, but at most one epoch and a few hundred images, checkpoints and
 results under ``<profile>-smoke``. The executed copies go to ``_build/smoke/<profile>/`` (the
 committed notebooks are not touched). Every cell runs even after an error, and the errors are

@@ -2,7 +2,7 @@
 
 ``python -m capslib.tools.spread`` (``make spread``) executes the chapters at the ``ci`` profile once
 per (seed, thread count) with ``$CAPSBOOK_CLAIMS_LOG`` set, so that each
-:func:`capslib.claims.check` logs its value instead of asserting it, and gathers the values
+:func:`capslib.book.claims.check` logs its value instead of asserting it, and gathers the values
 in ``book/results/ci_spread.json``: per claim the bound, every run's value, mean, standard
 deviation, the worst run and its margin. A run keeps its checkpoints and results apart
 (``$CAPSBOOK_TAG``) and removes them when it ends. Chapters of one (seed, threads) run in
@@ -37,12 +37,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..claims import margin, read_log
-from ..session import cpu_name
+from ..book.claims import margin, read_log
+from ..book.session import cpu_name
+from ..book.spread import SPREAD_FILE, glue_claim, stats  # noqa: F401 - the readers live with the book
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BOOK = ROOT / "book"
-SPREAD_FILE = BOOK / "results" / "ci_spread.json"
 LOCK_FILE = ROOT / "requirements.lock"
 # seconds one cell may take; every ci cell takes well under it, so reaching it means a hung execution
 CELL_TIMEOUT = 300
@@ -111,7 +111,7 @@ def notebook_claims(notebooks: list[Path] | None = None) -> dict[str, dict]:
 
     import nbformat
 
-    from ..claims import BOUNDS
+    from ..book.claims import BOUNDS
 
     found: dict[str, dict] = {}
     for nb_path in notebooks or chapters():
@@ -147,36 +147,6 @@ def rebound(path: Path = SPREAD_FILE) -> dict:
     table["claims"] = summarise(table["runs"])
     _write(table, path)
     return table
-
-
-def stats(name: str, path: Path = SPREAD_FILE) -> dict:
-    """The spread of one claim (mean, std, min, max, worst, n, seeds, bound, limit) from the table."""
-    table = json.loads(path.read_text())
-    if name not in table["claims"]:
-        raise KeyError(f"claim {name!r} is not in {path.name}; run `make spread` (known: {len(table['claims'])})")
-    return table["claims"][name]
-
-
-def glue_claim(key: str, name: str, path: Path = SPREAD_FILE) -> dict:
-    """Glue a claim's spread for the chapter's prose (myst-nb): ``<key>_mean``, ``_sd``, ``_min``,
-    ``_max``, ``_limit`` (floats); ``_runs``, ``_seeds``, ``_processors`` (ints: processor types, a run
-    without a recorded one counting as one) and ``_distinct`` (how many different values the runs
-    gave: runs of one seed that agree exactly count once); ``_processor_types`` (text, "1 processor
-    type" or "2 processor types"). Returns the stats, with ``distinct`` added."""
-    from myst_nb import glue
-
-    d = dict(stats(name, path))
-    d["distinct"] = len({float(f"{v:.12g}") for v in d["values"].values()})
-    for field, value in (("mean", d["mean"]), ("sd", d["std"]), ("min", d["min"]), ("max", d["max"]),
-                         ("limit", d["limit"])):
-        glue(f"{key}_{field}", float(value), display=False)
-    glue(f"{key}_runs", int(d["n"]), display=False)
-    glue(f"{key}_seeds", int(d["seeds"]), display=False)
-    processors = int(d.get("processors", 1))
-    glue(f"{key}_processors", processors, display=False)
-    glue(f"{key}_processor_types", f"{processors} processor type{'' if processors == 1 else 's'}", display=False)
-    glue(f"{key}_distinct", d["distinct"], display=False)
-    return d
 
 
 def _write(table: dict, path: Path) -> None:

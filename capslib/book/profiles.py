@@ -17,9 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-PROFILES = ("ci", "full")
-SMOKE_EPOCHS = 1
-SMOKE_SPLITS = {"train": 512, "val": 128, "test": 256}
+from ..switches import (PROFILES, SMOKE_EPOCHS, SMOKE_SPLITS, compile_requested, current,  # noqa: F401
+                        paper_schedule, progress_bars, smoke, storage_name)
 
 # Per-chapter sizes. Each chapter owns its block; keys are the experiment's knobs.
 SIZES: dict[str, dict[str, dict]] = {
@@ -75,59 +74,6 @@ CHAPTER_MODULES = {
     "06_rem": "rem",
     "07_products_of_expert_capsules": "poe",
 }
-
-
-def current() -> str:
-    """The active profile name: ``$CAPSBOOK_PROFILE`` or the machine's default."""
-    name = os.environ.get("CAPSBOOK_PROFILE", "").strip().lower()
-    if not name:
-        return "full" if torch.cuda.is_available() else "ci"
-    if name not in PROFILES:
-        raise ValueError(f"CAPSBOOK_PROFILE must be one of {PROFILES}; got {name!r}")
-    return name
-
-
-def _flag(name: str) -> bool:
-    """A switch in the environment: on for any value but empty or 0."""
-    return os.environ.get(name, "").strip() not in ("", "0")
-
-
-def smoke() -> bool:
-    """Whether ``$CAPSBOOK_SMOKE`` asks for a smoke run (any value but empty or 0)."""
-    return _flag("CAPSBOOK_SMOKE")
-
-
-def paper_schedule() -> bool:
-    """Whether ``$CAPSBOOK_PAPER_SCHEDULE`` asks for the longer schedule a chapter's ``full`` profile
-    was cut down from to fit one GPU's budget (each chapter's ``paper`` sizes; any value but empty or 0)."""
-    return _flag("CAPSBOOK_PAPER_SCHEDULE")
-
-
-def progress_bars() -> bool:
-    """Whether training shows progress bars: off when ``$CAPSBOOK_PROGRESS`` is 0 (set by the headless
-    runners, ``capslib.tools.reproduce``, ``capslib.tools.smoke`` and ``capslib.tools.spread``, so that no bar is saved
-    frozen in an executed notebook); on otherwise."""
-    return os.environ.get("CAPSBOOK_PROGRESS", "").strip() != "0"  # on unless set to 0
-
-
-def compile_requested() -> bool:
-    """Whether ``$CAPSBOOK_COMPILE`` asks :func:`capslib.train.fit` to train through
-    ``torch.compile`` (any value but empty or 0). Off by default."""
-    return _flag("CAPSBOOK_COMPILE")
-
-
-def storage_name(profile: str | None = None) -> str:
-    """Where a run keeps checkpoints and results: the profile name, ``-smoke`` appended in a
-    smoke run and ``-$CAPSBOOK_TAG`` when that is set, so that a smoke or spread run never
-    leaves files a real run would resume from or show."""
-    profile = profile or current()
-    name = f"{profile}-smoke" if smoke() else profile
-    tag = os.environ.get("CAPSBOOK_TAG", "").strip()
-    if tag:  # a spread run (``make spread``): its own checkpoints and results, one folder per seed
-        if not tag.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"CAPSBOOK_TAG must be letters, digits, '-' or '_'; got {tag!r}")
-        name = f"{name}-{tag}"
-    return name
 
 
 def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:

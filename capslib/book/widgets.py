@@ -90,7 +90,7 @@ def _png(fig) -> bytes:
 def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: list | None = None) -> list[bytes]:
     """PNG bytes of ``draw(**fixed, knob=value)`` for each value; raises if two frames are equal
     (the knob would not change what the reader sees). ``texts``, if given, receives each frame's
-    :func:`capslib.viz.text_on_page` (how large its smallest text appears in the book's column)."""
+    :func:`capslib.book.viz.text_on_page` (how large its smallest text appears in the book's column)."""
     if not values:
         raise ValueError(f"no values for the control {knob!r}")
     if len(values) > MAX_FRAMES:

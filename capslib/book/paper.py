@@ -2,7 +2,7 @@
 
 Chapters never type a paper's number. They glue it from here (``glue(chapter="06")`` makes
 ``paper_<key>`` — the number as the paper prints it, with its unit — and ``paper_<key>_value``,
-the float) and build their "paper vs this book" tables with :func:`capslib.results.paper_vs_book`,
+the float) and build their "paper vs this book" tables with :func:`capslib.book.results.paper_vs_book`,
 which looks paper keys up in this table. The scoreboard reads the same table.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "book" / "paper_results.yml"
 BIB = ROOT / "references.bib"
 FIELDS = {"quantity", "value", "decimals", "pm", "unit", "paper", "where", "chapter", "book"}

@@ -1,4 +1,4 @@
-"""``capslib.setup()``: seed everything, pick the device, print one line."""
+"""``capslib.book.setup()``: seed everything, pick the device, print one line."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import switches
 from . import profiles
 
 _STATE: dict = {}
@@ -102,7 +103,7 @@ def cpu_name() -> str:
 
 def cpu_label(threads: int | None = None) -> str:
     """``"<cpu_name()>, N threads"`` (``threads`` defaults to torch's): the CPU as :func:`setup` prints it
-    and :func:`capslib.results.record` stores it."""
+    and :func:`capslib.book.results.record` stores it."""
     n = torch.get_num_threads() if threads is None else threads
     return f"{cpu_name()}, {n} thread{'' if n == 1 else 's'}"
 
@@ -133,7 +134,7 @@ def retina_figures() -> bool:
 
 def _measuring(retina):
     """The PNG formatter ``retina`` with, in the output's metadata, how large the figure's smallest
-    text appears in the book's column (``capsbook``: see :func:`capslib.viz.text_on_page`);
+    text appears in the book's column (``capsbook``: see :func:`capslib.book.viz.text_on_page`);
     ``tests/test_outputs.py`` holds every committed figure to ``viz.MIN_TEXT_PX``."""
     from . import viz
 
@@ -177,8 +178,9 @@ def setup(seed: int | None = None, device: str | torch.device | None = None, qui
     retina_figures()
     sess = Session(profile=profile, device=dev, seed=seed, started=time.time())
     _STATE["session"] = sess
+    switches.set_run_defaults(dev, seed, sess.started)
     if not quiet:
-        from .data import describe
+        from ..data import describe
         print(f"capslib | profile={profile} | device={dev.type} ({name}) | torch {torch.__version__} | "
               f"seed={seed} | data: {describe(profile)}")
     return sess

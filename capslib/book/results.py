@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_DIR = ROOT / "book" / "results"
 # ``$CAPSBOOK_RESULTS`` redirects what a run writes and reads first (``make book`` executes copies of
 # the notebooks and keeps their results in its build folder, so no tracked file changes).

@@ -14,6 +14,8 @@
 #   make book-student the HTML book without exercise solutions (_build/student/_build/html)
 #   make spread     re-measure every claim on a trained number over seeds and thread counts (about 75 min)
 #   make lock       re-resolve requirements.txt into requirements.lock in a clean venv
+#   make units      every experiment unit (paper scale in short GPU jobs): missing / done / stale
+#   make gpu-data   full MNIST, compressed, in .gpu/data for a GPU machine without network
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -31,7 +33,7 @@ TEST_THREADS ?= 1
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce smoke data assignments book-student student-check compare-student clean venv lock spread
+.PHONY: gpu-data units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce smoke data assignments book-student student-check compare-student clean venv lock spread
 
 # The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
 # bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
@@ -145,6 +147,16 @@ smoke: $(STAMP)
 
 data: $(STAMP)
 	$(PY) -m capslib.data fetch mnist
+
+# full MNIST as gzip-compressed idx files in .gpu/data/MNIST/raw (git-ignored), to carry to a GPU machine
+# without network: there, CAPSBOOK_DATA=.gpu/data python3 -m capslib.tools.experiments run --budget 480 --jobs 2
+gpu-data: data
+	@mkdir -p .gpu/data/MNIST/raw; for f in data/MNIST/raw/*-ubyte; do gzip -9c $$f > .gpu/data/MNIST/raw/$$(basename $$f).gz; done
+	@du -sh .gpu/data
+
+# every experiment unit: missing / done / stale, projected minutes on one H100
+units: $(STAMP)
+	@$(PY) -m capslib.tools.experiments status
 
 # per master: _build/assignments/<name>/student/ (hand out) and autograder/<name>-autograder.zip
 # (otter run or Gradescope; capslib travels inside it)

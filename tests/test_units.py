@@ -262,3 +262,22 @@ def test_a_paper_scale_result_is_not_made_under_the_smoke_switch(tmp_path, monke
 def test_runner_counts_a_unit_past_its_projection():
     assert not X.finishes([-20.0, 200.0], 201.0)      # the overrunning unit still shares the GPU
     assert X.finishes([-20.0, 200.0], 200 / U.SHARE[2] + X.MIN_LEFT_SECONDS)
+
+
+def test_bundle_carries_notebooks_without_outputs(tmp_path):
+    """The offline bundle's source archive: every tracked file, notebooks stripped of their outputs
+    (the node executes them again; the committed figures were most of the bundle's size)."""
+    import tarfile
+
+    from capslib.tools import bundle
+
+    dest = tmp_path / "src.tar.gz"
+    bundle.write_source(dest)
+    with tarfile.open(dest) as tar:
+        names = tar.getnames()
+        nb = json.load(tar.extractfile("book/02_dynamic_routing.ipynb"))
+    assert "capslib/book/units.py" in names and "capslib/tools/experiments.py" in names
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
+    assert any("ch02_units" in "".join(c["source"]) for c in code)
+    assert dest.stat().st_size < 5 * 2 ** 20

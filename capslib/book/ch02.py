@@ -301,7 +301,7 @@ def table1_frame(groups):
         book = ("not yet run" if n == 0 else f"{np.mean(errs):.2f}" if n == 1 else
                 f"{np.mean(errs):.2f} ± {np.std(errs, ddof=1):.2f} (SD)")
         rows.append((label, paper.text(key, pm=True), book, n))
-    return pd.DataFrame(rows, columns=["network", "paper: test error", "this book: test error (%)", "seeds"]
+    return pd.DataFrame(rows, columns=["network", "paper: test error (± SD over its trials)", "this book: test error (%)", "seeds"]
                         ).set_index("network")
 
 

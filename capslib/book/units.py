@@ -38,6 +38,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .results import _plain   # tensors and NumPy values to JSON-ready ones
+
 ROOT = Path(__file__).resolve().parents[2]
 # ``$CAPSBOOK_UNITS_RESULTS`` redirects where results are written and read (tests use a temporary folder)
 RESULTS_ROOT = Path(os.environ.get("CAPSBOOK_UNITS_RESULTS", "").strip() or ROOT / "book" / "results")
@@ -231,22 +233,6 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({cpu_label()})"
 
 
-def _plain(v):
-    if isinstance(v, torch.Tensor):
-        v = v.detach().cpu().tolist()
-    elif isinstance(v, np.generic):
-        v = v.item()
-    elif isinstance(v, np.ndarray):
-        v = v.tolist()
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
-
-
 MAX_RESULT_BYTES = 1_500_000
 
 
@@ -380,3 +366,15 @@ def banner(groups: list[Group]) -> str | None:
     return ("**Paper-scale run not yet made** for " + "; ".join(parts) +
             ". Each is a short GPU job; until it is made, this section shows the results that exist, "
             "and the rest of the chapter shows the small CPU run.")
+
+
+def banner_html(groups: list[Group]) -> str | None:
+    """:func:`banner` as an HTML note (the book's admonition style), for a notebook's output."""
+    import html
+    import re
+
+    text = banner(groups)
+    if text is None:
+        return None
+    body = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", html.escape(text))
+    return f'<div class="admonition note"><p class="admonition-title">Paper scale</p><p>{body}</p></div>'

@@ -9,7 +9,8 @@ The bundle holds
   ``requirements.lock``; with ``--scientific`` also :data:`SCIENTIFIC` (matplotlib, pandas, seaborn,
   SciPy, scikit-learn, networkx: about 60 MB more, for an image that has only PyTorch and NumPy);
 - ``data/``: full MNIST, its four idx files gzip-compressed;
-- ``capsbook-src.tar.gz``: the book's tracked files (``capslib`` and the notebooks);
+- ``capsbook-src.tar.gz``: the book's tracked files (``capslib`` and the notebooks, without their
+  outputs: the node executes them again);
 - ``run.sh``: installs the wheels with ``pip --no-index`` into the bundle's own folder, unpacks the
   book and the data, and runs ``python -m capslib.tools.reproduce`` on the chapters it is given.
 
@@ -119,13 +120,34 @@ def write_data(dest: Path) -> None:
             shutil.copyfileobj(src, out)
 
 
+def stripped_notebook(raw: bytes) -> bytes:
+    """A notebook without its outputs and execution counts: the node executes it again, so the
+    committed figures (most of the book's bytes) need not travel."""
+    import json
+
+    nb = json.loads(raw)
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
+
+
 def write_source(dest: Path) -> None:
-    """The tracked files of the book (git ls-files), as a tar.gz."""
+    """The tracked files of the book (git ls-files), as a tar.gz; notebooks without their outputs."""
+    import io
+
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
     with tarfile.open(dest, "w:gz") as tar:
         for f in filter(None, files):
             path = ROOT / f.decode()
-            if path.is_file():
+            if not path.is_file():
+                continue
+            if path.suffix == ".ipynb":
+                data = stripped_notebook(path.read_bytes())
+                info = tar.gettarinfo(str(path), arcname=f.decode())
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
                 tar.add(path, arcname=f.decode())
 
 

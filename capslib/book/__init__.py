@@ -17,7 +17,7 @@ import importlib
 from .session import setup
 
 _SUBMODULES = {"session", "profiles", "results", "claims", "paper", "stats", "spread", "timing", "viz",
-               "widgets", "units", "ch02"}
+               "widgets", "units", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07"}
 
 
 def __getattr__(name):

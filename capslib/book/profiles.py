@@ -68,11 +68,11 @@ SIZES: dict[str, dict[str, dict]] = {
 
 # Chapters whose sizes live beside their code (registered when the module is imported).
 CHAPTER_MODULES = {
-    "03_soft_routing_gradients": "soft_routing",
-    "04_coupling_gradient_proof": "coupling_gradient",
-    "05_em_routing": "em",
-    "06_rem": "rem",
-    "07_products_of_expert_capsules": "poe",
+    "03_soft_routing_gradients": "book.ch03",
+    "04_coupling_gradient_proof": "book.ch04",
+    "05_em_routing": "book.ch05",
+    "06_rem": "book.ch06",
+    "07_products_of_expert_capsules": "book.ch07",
 }
 
 

@@ -188,7 +188,7 @@ def unit_input_capsules():
     return net.digit.in_caps
 
 
-def test_runner_dry_run_and_cli_errors(capsys):
+def test_runner_dry_run_and_cli_errors(capsys, tmp_path, monkeypatch):
     assert X.main(["run", "--budget", "540", "--jobs", "4", "--only", "02/main", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "the plan runs" in out and "02/main/s0" in out
@@ -198,6 +198,10 @@ def test_runner_dry_run_and_cli_errors(capsys):
         X.main(["run", "--budget", "-1"])
     with pytest.raises(KeyError, match="chapters with units"):
         X.main(["status", "--chapter", "09"])
+    # a real run checks for its data first (a GPU machine cannot download it): one clear message
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path)
+    with pytest.raises(SystemExit, match="full MNIST is not in"):
+        X.main(["run", "--budget", "60", "--only", "02/main/s0"])
 
 
 def test_idx_files_are_read_plain_or_gzip_compressed(tmp_path):

@@ -149,7 +149,7 @@ def _run(args) -> int:
         raise SystemExit("'run' starts one process per unit and is not run under torchrun; "
                          "run one unit data-parallel with: torchrun --nproc_per_node=N -m capslib.tools.experiments one KEY")
     todo = [u for u in U.select(args.only, args.chapter) if U.state(u, smoke=args.smoke)[0] != "done"]
-    missing = None if args.smoke else _data_missing(todo)
+    missing = None if args.smoke or args.dry_run else _data_missing(todo)
     if missing:
         raise SystemExit(missing)
     # a smoke run rehearses the commands: its units take seconds, so each is projected at 1 s of work

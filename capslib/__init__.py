@@ -16,7 +16,7 @@ from .routing import dynamic_routing
 __version__ = "0.1.0"
 
 _SUBMODULES = {"data", "layers", "models", "train", "routing", "ops", "rem", "soft_routing", "poe", "em",
-               "multimnist", "pitfalls", "coupling_gradient", "checks", "switches"}
+               "multimnist", "pitfalls", "coupling_gradient", "checks", "switches", "timing"}
 
 
 def __getattr__(name):

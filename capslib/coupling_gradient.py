@@ -330,7 +330,7 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
     with detached routing, on the same batch and the same weights (chapter 4).
 
     Wall time: ``pairs`` interleaved pairs of steps, the order inside a pair alternating, after
-    ``warmup`` pairs that are not kept (:func:`capslib.book.timing.interleaved_seconds`). A neighbour that slows the machine for a while slows both
+    ``warmup`` pairs that are not kept (:func:`capslib.timing.interleaved_seconds`). A neighbour that slows the machine for a while slows both
     members of a pair alike, so the per-pair ratio full / detached keeps the method's difference
     where the epoch times of separate runs mix it with the machine's load. Work: the floating-point
     operations of each step counted by ``torch.utils.flop_counter`` (matrix products and
@@ -347,7 +347,7 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
         raise TypeError("model must have a DenseCaps `digit` with a `detach` flag (a CapsNet)")
     if not (isinstance(pairs, int) and pairs >= 2) or not (isinstance(warmup, int) and warmup >= 0):
         raise ValueError(f"pairs must be an int >= 2 and warmup an int >= 0; got {pairs!r}, {warmup!r}")
-    from .book.timing import interleaved_seconds
+    from .timing import interleaved_seconds
 
     loss_fn = loss_fn or _default_loss(recon_weight)
     params = [p for p in model.parameters() if p.requires_grad]

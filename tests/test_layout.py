@@ -13,12 +13,9 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "capslib"
 
-# Library modules that still import the book: chapter 4's timing of its two trainings side by side
-# (capslib.book.timing) is experiment code to move to capslib.book.ch04. Each may import only the book
-# modules named here; the list may only shrink. (Every chapter's sizes are in capslib.book.chNN.)
-PENDING_SPLIT = {
-    "capslib.coupling_gradient": {"capslib.book.timing"},
-}
+# Library modules allowed to import named book modules while their split is pending: none now
+# (the list may only shrink; an entry names the module and the book modules it may import).
+PENDING_SPLIT: dict[str, set] = {}
 
 
 def _module_name(path: Path) -> str:

@@ -5,7 +5,7 @@ imports it.
 - :func:`setup` (:mod:`capslib.book.session`) opens every chapter: seeds, device, one line;
 - :mod:`~capslib.book.profiles` (sizes per profile), :mod:`~capslib.book.results` (recorded numbers
   and glue), :mod:`~capslib.book.claims`, :mod:`~capslib.book.paper` (the sourced table of the
-  papers' numbers), :mod:`~capslib.book.stats`, :mod:`~capslib.book.spread`, :mod:`~capslib.book.timing`;
+  papers' numbers), :mod:`~capslib.book.stats`, :mod:`~capslib.book.spread`;
 - :mod:`~capslib.book.viz` and :mod:`~capslib.book.widgets`: figures and interactive figures;
 - :mod:`~capslib.book.units`: experiment units (one complete training each) and their committed
   results; ``capslib.book.chNN``: a chapter's units and the views drawn from them.
@@ -16,7 +16,7 @@ import importlib
 
 from .session import setup
 
-_SUBMODULES = {"session", "profiles", "results", "claims", "paper", "stats", "spread", "timing", "viz",
+_SUBMODULES = {"session", "profiles", "results", "claims", "paper", "stats", "spread", "viz",
                "widgets", "units", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07"}
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..book import profiles
-from ..book.timing import interleaved_seconds  # noqa: F401 - bench's timing, kept where the chapters use it
+from ..timing import interleaved_seconds
 
 FULL_TRAIN = 55_000   # full MNIST training images (5,000 of the 60k are held out for validation)
 

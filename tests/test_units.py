@@ -163,10 +163,19 @@ def test_baseline_cnn_has_the_papers_parameter_count():
     assert round(n / 1e6, 1) == paper.value("sabour_baseline_params")
 
 
-def test_chapter2_main_unit_smoke_writes_what_the_figures_need(tmp_path, monkeypatch):
-    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+@pytest.fixture(scope="module")
+def main_smoke(tmp_path_factory):
+    """The chapter-2 main unit's smoke run, made once for the tests below: its results folder."""
+    root = tmp_path_factory.mktemp("units")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(U, "RESULTS_ROOT", root)
+        U.execute(U.get("02/main/s0"), device="cpu", smoke=True)
+    return root
+
+
+def test_chapter2_main_unit_smoke_writes_what_the_figures_need(main_smoke, monkeypatch):
+    monkeypatch.setattr(U, "RESULTS_ROOT", main_smoke)
     unit = U.get("02/main/s0")
-    U.execute(unit, device="cpu", smoke=True)
     res = U.load(unit, smoke=True)
     m, a = res["metrics"], res["arrays"]
     assert res["smoke"] and res["processes"] == 1
@@ -215,13 +224,12 @@ def test_idx_files_are_read_plain_or_gzip_compressed(tmp_path):
     assert np.array_equal(data._read_idx(tmp_path / "img"), images)
 
 
-def test_chapter2_paper_scale_views_from_results(tmp_path, monkeypatch):
+def test_chapter2_paper_scale_views_from_results(main_smoke, monkeypatch):
     """Write -> load -> figure: the smoke result of the main unit feeds Table 1's frame and the three
     figures; the missing runs are named in the banner."""
     import matplotlib
     matplotlib.use("Agg")
-    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
-    U.execute(U.get("02/main/s0"), device="cpu", smoke=True)
+    monkeypatch.setattr(U, "RESULTS_ROOT", main_smoke)
     groups = ch02.table1_groups(smoke=True)
     main = groups[-1]
     assert len(main.results) == 1 and main.missing == ["02/main/s1", "02/main/s2"]

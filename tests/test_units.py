@@ -293,3 +293,16 @@ def test_bundle_carries_notebooks_without_outputs(tmp_path):
     assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
     assert any("ch02_units" in "".join(c["source"]) for c in code)
     assert dest.stat().st_size < 5 * 2 ** 20
+
+
+def test_runner_stops_a_unit_at_the_budget_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The live loop: a smoke unit (about 15 s on the CPU) given an 8-s budget is started, stopped at the
+    budget with its whole process group, leaves no result, and the run's exit code says so."""
+    monkeypatch.setenv("CAPSBOOK_UNITS_RESULTS", str(tmp_path))
+    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+    monkeypatch.setattr(X, "LOG_DIR", tmp_path / "logs")
+    assert X.main(["run", "--budget", "8", "--smoke", "--only", "02/main/s0"]) == 1
+    out = capsys.readouterr().out
+    assert "started 02/main/s0" in out and "budget reached: stopped 02/main/s0" in out
+    assert not (tmp_path / "full-smoke" / "02" / "main" / "s0.json").exists()
+    assert (tmp_path / "logs" / "02_main_s0.log").exists()

@@ -48,7 +48,7 @@ def finishes(remaining: list[float], budget_left: float) -> bool:
     """Whether units with ``remaining`` work (seconds alone) all end within ``budget_left`` seconds of
     wall time when they run side by side from now, each at ``SHARE[k]`` of its speed while k are left."""
     # a unit past its projection is still on the GPU: it counts, with a little work left
-    work = sorted(max(w, MIN_LEFT_SECONDS) for w in remaining)
+    work = sorted(w if w > 0 else MIN_LEFT_SECONDS for w in remaining)
     t, done = 0.0, 0.0
     for i, w in enumerate(work):
         k = len(work) - i

@@ -131,6 +131,13 @@ def probe(unit: Unit) -> dict:
     return out
 
 
+def coupling_entropy_bits(c: torch.Tensor) -> torch.Tensor:
+    """Entropy in bits of each input capsule's couplings ``c (B, I, J)`` over its parents: ``(B, I)``;
+    ``log2 J`` for uniform couplings, 0 for one-hot ones."""
+    c = c.clamp_min(1e-12)
+    return -(c * c.log2()).sum(-1)
+
+
 def _to_uint8(x: torch.Tensor) -> torch.Tensor:
     return (x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
@@ -145,7 +152,7 @@ def _capsnet_arrays(net: models.CapsNet, test: data.Split, n_couplings: int) -> 
     c = out.couplings.float()                                   # (B, I, J)
     J = c.shape[-1]
     pred = out.lengths.argmax(dim=1)
-    ent = -(c.clamp_min(1e-12) * c.clamp_min(1e-12).log2()).sum(-1)  # (B, I) bits
+    ent = coupling_entropy_bits(c)                              # (B, I)
     arrays["coupling_hist"] = encode_array(torch.histc(c, bins=50, min=0, max=1))
     arrays["coupling_entropy_hist"] = encode_array(torch.histc(ent, bins=50, min=0, max=math.log2(J)))
     to_pred = c.gather(2, pred[:, None, None].expand(-1, c.shape[1], 1)).squeeze(-1)   # (B, I)
@@ -240,7 +247,7 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
             net.eval()
             _, c = net.encode(test.x[:min(cfg["coupling_digits"], len(test))])
             c = c.float()
-            ent = -(c.clamp_min(1e-12) * c.clamp_min(1e-12).log2()).sum(-1)
+            ent = coupling_entropy_bits(c)
             metrics["coupling"] = {"mean_entropy_bits": float(ent.mean()), "uniform_entropy_bits": math.log2(c.shape[-1]),
                                    "mean_max": float(c.max(-1).values.mean())}
     hist = {k: v for k, v in history.items() if isinstance(v, list)}

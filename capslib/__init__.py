@@ -16,7 +16,8 @@ from .routing import dynamic_routing
 __version__ = "0.1.0"
 
 _SUBMODULES = {"data", "layers", "models", "train", "routing", "ops", "rem", "soft_routing", "poe", "em",
-               "multimnist", "pitfalls", "coupling_gradient", "checks", "switches", "timing"}
+               "em_layers", "poe_models", "multimnist", "pitfalls", "coupling_gradient", "checks", "switches",
+               "timing"}
 
 
 def __getattr__(name):

@@ -112,6 +112,6 @@ class DenseCaps(nn.Module):
 
 def __getattr__(name):  # layers that live with their chapter's module
     if name in ("MatrixCaps", "ConvCaps", "PrimaryMatrixCaps", "ClassCaps"):
-        from . import em
-        return getattr(em, name)
+        from . import em_layers
+        return getattr(em_layers, name)
     raise AttributeError(f"module 'capslib.layers' has no attribute {name!r}")

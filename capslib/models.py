@@ -103,10 +103,10 @@ def capsnet_loss(out: CapsOutput, x: torch.Tensor, y: torch.Tensor, recon_weight
 
 
 _ELSEWHERE = {
-    "EMCapsNet": "em",
+    "EMCapsNet": "em_layers",
     "FCCapsNet": "rem",
     "SoftRoutingNet": "soft_routing",
-    "PoECapsules": "poe",
+    "PoECapsules": "poe_models",
 }
 
 

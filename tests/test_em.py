@@ -1,4 +1,5 @@
-"""Tests of capslib.em: EM routing (Hinton et al. 2018, Procedure 1), its layers and the spread loss."""
+"""Tests of capslib.em (EM routing, Hinton et al. 2018, Procedure 1; the spread loss) and capslib.em_layers (its layers
+and networks)."""
 import math
 
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capslib
-from capslib import em
+from capslib import em, em_layers
 
 
 def plain_em(V, a, beta_u, beta_a, iterations, final_lambda=em.FINAL_LAMBDA, var_floor=em.VAR_FLOOR, eps=em.EPS,
@@ -88,9 +89,9 @@ def test_mean_normalisation_cost_independent_of_number_of_children():
 def test_exported_from_capslib():
     assert capslib.em_routing is em.em_routing
     from capslib import layers, models
-    assert layers.ConvCaps is em.ConvCaps and layers.MatrixCaps is em.MatrixCaps
-    assert layers.PrimaryMatrixCaps is em.PrimaryMatrixCaps and layers.ClassCaps is em.ClassCaps
-    assert models.EMCapsNet is em.EMCapsNet
+    assert layers.ConvCaps is em_layers.ConvCaps and layers.MatrixCaps is em_layers.MatrixCaps
+    assert layers.PrimaryMatrixCaps is em_layers.PrimaryMatrixCaps and layers.ClassCaps is em_layers.ClassCaps
+    assert models.EMCapsNet is em_layers.EMCapsNet
 
 
 @settings(max_examples=20, deadline=None)
@@ -176,18 +177,18 @@ def test_constant_schedule_routes_as_its_lambdas_say():
         torch.testing.assert_close(x, y)
     # the network's argument reaches every routed layer
     torch.manual_seed(0)
-    net = em.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2)
+    net = em_layers.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2)
     x = torch.rand(2, 1, 28, 28)
     net.eval()
     base = net(x).activations
     torch.manual_seed(0)
-    const_net = em.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2, schedule="constant").eval()
+    const_net = em_layers.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2, schedule="constant").eval()
     assert all(layer.schedule == "constant" for layer in (const_net.conv_caps1, const_net.conv_caps2,
                                                           const_net.class_caps))
     assert "schedule='constant'" in repr(const_net) and "schedule" not in repr(net)
     assert not torch.allclose(base, const_net(x).activations)
     with pytest.raises(ValueError, match="schedule"):
-        em.EMCapsNet(A=4, B=2, C=2, D=2, schedule="warm")
+        em_layers.EMCapsNet(A=4, B=2, C=2, D=2, schedule="warm")
 
 
 def test_bad_inputs():
@@ -220,7 +221,7 @@ def test_spread_loss_and_margin():
 
 def test_conv_caps_matches_loop():
     torch.manual_seed(0)
-    layer = em.ConvCaps(3, 2, kernel_size=3, stride=2, iterations=2).double()
+    layer = em_layers.ConvCaps(3, 2, kernel_size=3, stride=2, iterations=2).double()
     pose = torch.randn(2, 7, 5, 3, 4, 4, dtype=torch.float64)
     a = torch.rand(2, 7, 5, 3, dtype=torch.float64)
     mu, act = layer(pose, a)
@@ -236,7 +237,7 @@ def test_conv_caps_matches_loop():
 
 def test_class_caps_coordinate_addition():
     torch.manual_seed(0)
-    layer = em.ClassCaps(2, classes=3, iterations=1).double()
+    layer = em_layers.ClassCaps(2, classes=3, iterations=1).double()
     pose = torch.zeros(1, 2, 2, 2, 4, 4, dtype=torch.float64)
     a = torch.ones(1, 2, 2, 2, dtype=torch.float64)
     mu, act = layer(pose, a)
@@ -248,7 +249,7 @@ def test_class_caps_coordinate_addition():
 
 def test_em_capsnet_forward_backward():
     torch.manual_seed(0)
-    model = em.EMCapsNet(A=8, B=4, C=4, D=4, iterations=2)
+    model = em_layers.EMCapsNet(A=8, B=4, C=4, D=4, iterations=2)
     x = torch.rand(3, 1, 28, 28)
     model.calibrate(x)
     out = model(x)
@@ -266,7 +267,7 @@ def test_routing_stays_float32_under_bf16_autocast():
     """The full profile trains under bf16 autocast on CUDA; EM must still run in float32.
     CPU autocast exercises the same code path here."""
     torch.manual_seed(0)
-    model = em.EMCapsNet(A=8, B=4, C=4, D=4, iterations=3)
+    model = em_layers.EMCapsNet(A=8, B=4, C=4, D=4, iterations=3)
     x = torch.rand(4, 1, 28, 28)
     model.calibrate(x)
     model.eval()
@@ -283,14 +284,14 @@ def test_routing_stays_float32_under_bf16_autocast():
 
 def test_matched_cnn_is_the_nearest_in_parameters_and_refuses_bad_input():
     from capslib import models
-    target = models.count_parameters(em.EMCapsNet(A=16, B=4, C=4, D=4))
-    w = em.matched_width(target)
-    count = lambda k: models.count_parameters(em.SmallConvNet(k))   # noqa: E731
+    target = models.count_parameters(em_layers.EMCapsNet(A=16, B=4, C=4, D=4))
+    w = em_layers.matched_width(target)
+    count = lambda k: models.count_parameters(em_layers.SmallConvNet(k))   # noqa: E731
     assert abs(count(w) - target) <= min(abs(count(w - 1) - target), abs(count(w + 1) - target))
-    assert em.matched_width(1) == 1
+    assert em_layers.matched_width(1) == 1
     for side in (28, 40):
-        assert em.SmallConvNet(w)(torch.rand(3, 1, side, side)).shape == (3, 10)
+        assert em_layers.SmallConvNet(w)(torch.rand(3, 1, side, side)).shape == (3, 10)
     with pytest.raises(ValueError, match=r"x must be \(B, 1, H, W\)"):
-        em.SmallConvNet(w)(torch.rand(3, 2, 28, 28))
+        em_layers.SmallConvNet(w)(torch.rand(3, 2, 28, 28))
     with pytest.raises(ValueError, match="width"):
-        em.SmallConvNet(0)
+        em_layers.SmallConvNet(0)

@@ -1,11 +1,11 @@
-"""Tests of capslib.poe (chapter 7: products of expert capsules, Hauser 2019)."""
+"""Tests of capslib.poe and capslib.poe_models (chapter 7: products of expert capsules, Hauser 2019)."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capslib
-from capslib import poe
+from capslib import poe, poe_models
 
 
 def _problem(B=3, I=5, J=4, Do=3, Di=2, seed=0, dtype=torch.float64):
@@ -130,14 +130,14 @@ def test_decoder_gradient_matches_loops():
 
 def test_capsule_code_round_trip():
     h = torch.randn(2, 16, 6, 6, dtype=torch.float64)
-    x = poe.code_to_capsules(h, 8)
+    x = poe_models.code_to_capsules(h, 8)
     assert x.shape == (2, 6 * 6 * 2, 8)
-    torch.testing.assert_close(poe.capsules_to_code(x, (16, 6, 6)), h)
+    torch.testing.assert_close(poe_models.capsules_to_code(x, (16, 6, 6)), h)
 
 
 def test_model_shapes_and_generation():
     torch.manual_seed(0)
-    m = poe.PoECapsules(channels=16, out_caps=4, out_dim=6).eval()
+    m = poe_models.PoECapsules(channels=16, out_caps=4, out_dim=6).eval()
     img = torch.rand(3, 1, 28, 28)
     x = m.capsules(img)
     assert x.shape == (3, 6 * 6 * 2, 8)
@@ -148,7 +148,7 @@ def test_model_shapes_and_generation():
     out = m.generate(2, g, hemisphere=torch.ones(6))
     assert out.shape == (5, 1, 28, 28)
     torch.testing.assert_close(m.generate(2, g, hemisphere=torch.ones(6)), m.generate(2, -g, hemisphere=torch.ones(6)))
-    assert capslib.models.PoECapsules is poe.PoECapsules
+    assert capslib.models.PoECapsules is poe_models.PoECapsules
 
 
 def test_bad_inputs():
@@ -166,8 +166,8 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="iterations"):
         poe.cd1_gradient(W, x, iterations=0)
     with pytest.raises(ValueError, match="max_length"):
-        poe.capsules_to_code(torch.zeros(1, 9, 8), (8, 3, 3), max_length=1.0)
-    m = poe.PoECapsules(channels=16, out_caps=4, out_dim=6)
+        poe_models.capsules_to_code(torch.zeros(1, 9, 8), (8, 3, 3), max_length=1.0)
+    m = poe_models.PoECapsules(channels=16, out_caps=4, out_dim=6)
     with pytest.raises(ValueError, match="capsule must lie"):
         m.generate(4, torch.randn(2, 6))
 
@@ -191,7 +191,7 @@ def test_train_weights_is_algorithm_1_with_momentum_decay_and_l2():
     kw = dict(epochs=3, lr=0.2, batch=3, momentum=0.8, decay=0.7, l2=1e-2)
     expected = _reference_training(W0.clone(), len(x), lambda P, idx: poe.cd1_gradient(P, x[idx], 2), seed=9, **kw)
     W = W0.clone()
-    hist = poe.train_weights(W, x, iterations=2, generator=torch.Generator().manual_seed(9), **kw)
+    hist = poe_models.train_weights(W, x, iterations=2, generator=torch.Generator().manual_seed(9), **kw)
     torch.testing.assert_close(W, expected)
     assert set(hist) == {"reconstruction", "free_energy_gap", "firing", "weight_norm"}
     assert all(len(v) == 3 for v in hist.values())
@@ -199,7 +199,7 @@ def test_train_weights_is_algorithm_1_with_momentum_decay_and_l2():
     # what the history measures: one epoch of one minibatch at lr = 0 gives the first W's chain
     one = x[:7]
     Wb = W0.clone()
-    h1 = poe.train_weights(Wb, one, epochs=1, lr=0.0, batch=7, iterations=2, momentum=0.0, decay=1.0, l2=0.0)
+    h1 = poe_models.train_weights(Wb, one, epochs=1, lr=0.0, batch=7, iterations=2, momentum=0.0, decay=1.0, l2=0.0)
     r = poe.cd1(W0, one, 2)
     assert h1["reconstruction"][0] == pytest.approx(float(((one - r.x_tilde) ** 2).mean()))
     gap = (torch.log1p(-r.y.norm(dim=-1)) - torch.log1p(-r.y_tilde.norm(dim=-1))).sum(1).mean()
@@ -219,17 +219,17 @@ def test_train_decoder_matches_the_schedule_and_evaluates_each_epoch():
                                    seed=2, **kw)
     U = U0.clone()
     calls = []
-    hist = poe.train_decoder(U, y, t, iterations=3, generator=torch.Generator().manual_seed(2),
+    hist = poe_models.train_decoder(U, y, t, iterations=3, generator=torch.Generator().manual_seed(2),
                              evaluate=lambda: calls.append(1) or {"norm": U.norm().item()}, **kw)
     torch.testing.assert_close(U, expected)
     assert len(calls) == 2 and hist["norm"][-1] == pytest.approx(float(U.norm()))
     with pytest.raises(ValueError, match="same number of samples"):
-        poe.train_decoder(U, y[:2], t, epochs=1, lr=0.1, batch=2)
+        poe_models.train_decoder(U, y[:2], t, epochs=1, lr=0.1, batch=2)
 
 
 def test_with_experts_shares_the_autoencoder_and_draws_w_u_from_the_seed():
     torch.manual_seed(0)
-    m = poe.PoECapsules(channels=16, out_caps=4, out_dim=6, init_std=0.05)
+    m = poe_models.PoECapsules(channels=16, out_caps=4, out_dim=6, init_std=0.05)
     W_before = m.W.clone()
     a, b, c = m.with_experts(3), m.with_experts(3), m.with_experts(4)
     assert a.autoencoder is m.autoencoder and c.autoencoder is m.autoencoder
@@ -345,10 +345,11 @@ def test_train_weights_sparse_with_zero_strength_is_train_weights():
     W0, x, _ = _problem(B=20, I=4, J=3, Do=3, Di=2, seed=8)
     Wa, Wb = W0.clone(), W0.clone()
     kw = dict(epochs=2, lr=0.05, batch=5, iterations=2)
-    ha = poe.train_weights(Wa, x, generator=torch.Generator().manual_seed(0), **kw)
-    hb = poe.train_weights_sparse(Wb, x, strength=0.0, target=0.1, generator=torch.Generator().manual_seed(0), **kw)
+    ha = poe_models.train_weights(Wa, x, generator=torch.Generator().manual_seed(0), **kw)
+    hb = poe_models.train_weights_sparse(Wb, x, strength=0.0, target=0.1, generator=torch.Generator().manual_seed(0),
+                                         **kw)
     torch.testing.assert_close(Wa, Wb)
     assert ha["reconstruction"] == pytest.approx(hb["reconstruction"])
     Wc = W0.clone()
-    poe.train_weights_sparse(Wc, x, strength=5.0, target=0.1, generator=torch.Generator().manual_seed(0), **kw)
+    poe_models.train_weights_sparse(Wc, x, strength=5.0, target=0.1, generator=torch.Generator().manual_seed(0), **kw)
     assert not torch.allclose(Wc, Wa)

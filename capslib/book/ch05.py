@@ -1,8 +1,10 @@
 """Chapter 5 (EM routing): its sizes per profile (``capslib.book.profiles.settings("05_em_routing")``); the chapter's
-mathematics and trainings live in the library, :mod:`capslib.em`."""
+mathematics lives in the library: EM routing and the spread loss in :mod:`capslib.em`, the matrix-capsule
+layers and networks in :mod:`capslib.em_layers`."""
 from __future__ import annotations
 
-from ..em import FINAL_LAMBDA, NORMALIZE, W_INIT_STD
+from ..em import FINAL_LAMBDA, NORMALIZE
+from ..em_layers import W_INIT_STD
 from . import profiles
 
 profiles.register(

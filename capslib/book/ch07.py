@@ -1,9 +1,11 @@
-"""Chapter 7 (products of expert capsules): its sizes per profile (``capslib.book.profiles.settings("07_products_of_expert_capsules")``); the chapter's
-mathematics and trainings live in the library, :mod:`capslib.poe`."""
+"""Chapter 7 (products of expert capsules): its name and its sizes per profile
+(``capslib.book.profiles.settings(CHAPTER)``); the chapter's mathematics is in the library,
+:mod:`capslib.poe`, and its model and trainings in :mod:`capslib.poe_models`."""
 from __future__ import annotations
 
 from . import profiles
-from ..poe import CHAPTER
+
+CHAPTER = "07_products_of_expert_capsules"
 
 # ci: CPU, embedded MNIST. full: the paper's Sec. 4.1 architecture (9x9x1x128 and
 # 9x9x128x128 stride-2 filters, 576 capsules of 8D, 20 capsules of 16D) on full

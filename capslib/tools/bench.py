@@ -64,9 +64,9 @@ def _reconstruction(model, x, y):
 
 def cases(quick: bool = False) -> list[Case]:
     """The timed models: each chapter's ``full`` network (``quick``: tiny stand-ins of the same code)."""
-    from ..em import EMCapsNet
+    from ..em_layers import EMCapsNet
     from ..models import CapsNet
-    from ..poe import ConvAutoencoder
+    from ..poe_models import ConvAutoencoder
 
     s2 = profiles.settings("02_dynamic_routing", "full")
     s5 = profiles.settings("05_em_routing", "full")

@@ -306,3 +306,15 @@ def test_runner_stops_a_unit_at_the_budget_and_writes_nothing(tmp_path, monkeypa
     assert "started 02/main/s0" in out and "budget reached: stopped 02/main/s0" in out
     assert not (tmp_path / "full-smoke" / "02" / "main" / "s0.json").exists()
     assert (tmp_path / "logs" / "02_main_s0.log").exists()
+
+
+def test_projection_sources_are_named_measured_bench_or_assumed():
+    # fit on an H100 measured the 28x28 CapsNet; the EM network only in the step bench; an unknown
+    # network falls back to the slowest benched CapsNet, so its projection errs long
+    rate, source = U.rate_of("capsnet28")
+    assert source == "measured" and rate == U.RATES_H100["capsnet28"]
+    rate, source = U.rate_of("em32")
+    assert source == "bench" and 0 < rate < U.RATES_H100["capsnet28"]
+    rate, source = U.rate_of("no-such-network")
+    assert source == "assumed" and rate == U.UNBENCHED_RATE
+    assert U.UNBENCHED_RATE <= min(v for k, v in U.ESTIMATED_RATES_H100.items() if k.startswith("capsnet"))

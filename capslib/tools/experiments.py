@@ -103,8 +103,9 @@ def _status(args) -> int:
     for u in U.all_units(args.chapter):
         st, res = U.state(u, smoke=args.smoke)
         minutes = U.projected_seconds(u) / 60
+        mark = {"measured": "", "bench": " b", "assumed": " a"}[U.rate_of(u.family)[1]]
         made = f"{res['device']}, {res['wall_seconds'] / 60:.1f} min" if res else ""
-        rows.append((u.key, st, f"{minutes:.1f}", str(u.priority), made, u.what))
+        rows.append((u.key, st, f"{minutes:.1f}{mark}", str(u.priority), made, u.what))
     widths = [max(len(r[i]) for r in rows + [("unit", "state", "min (H100)", "prio", "made on", "what")])
               for i in range(5)]
     header = ("unit", "state", "min (H100)", "prio", "made on", "what")
@@ -112,7 +113,11 @@ def _status(args) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
     counts = {s: sum(r[1] == s for r in rows) for s in ("done", "stale", "missing")}
     print(f"{len(rows)} units: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
-          f"; longest projection {max(float(r[2]) for r in rows):.1f} min alone on one H100")
+          f"; longest projection {max(float(r[2].split()[0]) for r in rows):.1f} min alone on one H100")
+    if any(" " in r[2] for r in rows):
+        print("projections: measured in fit on an H100 unless marked b (the step bench on an H100, scaled by "
+              "what fit kept of it for the 28x28 CapsNet) or a (no measurement of this network: assumed as slow "
+              "as the slowest benched CapsNet)")
     return 0
 
 

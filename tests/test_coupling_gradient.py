@@ -1,4 +1,5 @@
-"""Tests of capslib.coupling_gradient (chapter 4)."""
+"""Tests of capslib.coupling_gradient (chapter 4) and of the chapter's measurements and graphs in
+capslib.book.ch04."""
 import math
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 import capslib
 from capslib import coupling_gradient as cg
 from capslib import models
+from capslib.book import ch04
 
 
 def _votes(B=2, I=7, J=4, D=3, scale=0.6, seed=0):
@@ -87,14 +89,14 @@ def test_digit_gradients_and_probe():
     net = models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,),
                          iterations=3)
     x, y = torch.rand(6, 1, 28, 28), torch.randint(0, 10, (6,))
-    g = cg.digit_gradients(net, x, y)
+    g = ch04.digit_gradients(net, x, y)
     assert net.digit.detach is False and net.digit.W.grad is None
     assert g["full"].shape == net.digit.W.shape and 0 < g["rel_diff"]
     assert -1 <= g["cosine"] <= 1 and g["couplings"].shape == (6, net.digit.in_caps, 10)
     net.digit.detach = True
-    assert cg.digit_gradients(net, x, y)["rel_diff"] == pytest.approx(g["rel_diff"])
+    assert ch04.digit_gradients(net, x, y)["rel_diff"] == pytest.approx(g["rel_diff"])
     assert net.digit.detach is True
-    probe = cg.CouplingProbe(x, y, every=2)
+    probe = ch04.CouplingProbe(x, y, every=2)
     probe.start(net)
     for _ in range(3):
         probe.before_step(net, None)
@@ -113,15 +115,15 @@ def test_graphs_show_the_coupling_path():
     u = torch.randn(1, 4, 3, 2, requires_grad=True)
     for detach, expected in ((False, 1), (True, 0)):
         v, _ = capslib.dynamic_routing(u, 2, detach=detach)
-        G = cg.autograd_graph(v, {"û": u})
-        assert cg.coupling_paths(G) == expected
-        assert len(cg.nodes_labelled(G, "û")) == 1
-        assert not any(d["label"] in cg.SHAPE_OPS for _, d in G.nodes(data=True))
-    raw = cg.autograd_graph(capslib.dynamic_routing(u, 3)[0], {"û": u}, simplify=False)
-    assert cg.coupling_paths(raw) == 2
+        G = ch04.autograd_graph(v, {"û": u})
+        assert ch04.coupling_paths(G) == expected
+        assert len(ch04.nodes_labelled(G, "û")) == 1
+        assert not any(d["label"] in ch04.SHAPE_OPS for _, d in G.nodes(data=True))
+    raw = ch04.autograd_graph(capslib.dynamic_routing(u, 3)[0], {"û": u}, simplify=False)
+    assert ch04.coupling_paths(raw) == 2
     import matplotlib
     matplotlib.use("Agg")
-    fig = cg.draw_graph(G, title="t")
+    fig = ch04.draw_graph(G, title="t")
     assert fig.axes
 
 
@@ -138,9 +140,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"c must be \(B, I, J\)"):
         cg.polarization(torch.rand(3, 4))
     with pytest.raises(ValueError, match="no grad_fn"):
-        cg.autograd_graph(torch.zeros(3))
+        ch04.autograd_graph(torch.zeros(3))
     with pytest.raises(TypeError, match="DenseCaps"):
-        cg.digit_gradients(torch.nn.Linear(2, 2), torch.rand(1, 2), torch.zeros(1, dtype=torch.long))
+        ch04.digit_gradients(torch.nn.Linear(2, 2), torch.rand(1, 2), torch.zeros(1, dtype=torch.long))
 
 
 def test_relative_low_threshold():
@@ -191,19 +193,19 @@ def test_routing_trace_and_semantic_graph():
         (g1,) = torch.autograd.grad(v.sum(), u)
         (g2,) = torch.autograd.grad(ref.sum(), u)
         torch.testing.assert_close(g1, g2)
-        G = cg.semantic_graph(named, {"û": u})
+        G = ch04.semantic_graph(named, {"û": u})
         assert G.nodes["c(1)"]["kind"] == "constant" and G.nodes["û"]["kind"] == "input"
         if detach:
-            assert sorted(G.edges) == [("s(3)", "v(3)"), ("û", "s(3)")] and not cg.coupling_gradient_edges(G)
+            assert sorted(G.edges) == [("s(3)", "v(3)"), ("û", "s(3)")] and not ch04.coupling_gradient_edges(G)
         else:
             assert {("û", "B(2)"), ("v(1)", "B(2)"), ("B(2)", "c(2)"), ("c(3)", "s(3)"), ("B(2)", "B(3)")} <= set(G.edges)
-            road = cg.coupling_gradient_edges(G)
+            road = ch04.coupling_gradient_edges(G)
             assert ("B(3)", "c(3)") in road and ("û", "s(3)") not in road
     import matplotlib
     matplotlib.use("Agg")
-    assert cg.draw_semantic_graph(G, title="t").axes
+    assert ch04.draw_semantic_graph(G, title="t").axes
     with pytest.raises(ValueError, match="at least one"):
-        cg.semantic_graph({}, {"û": u})
+        ch04.semantic_graph({}, {"û": u})
 
 
 def test_step_cost_times_both_kinds_of_step_and_counts_their_work():
@@ -211,13 +213,13 @@ def test_step_cost_times_both_kinds_of_step_and_counts_their_work():
     net = models.CapsNet(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,), iterations=3)
     x, y = torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,))
     net.eval()
-    out = cg.step_cost(net, x, y, pairs=3, warmup=1)
+    out = ch04.step_cost(net, x, y, pairs=3, warmup=1)
     assert len(out["ratio"]) == 3 and all(r > 0 for r in out["ratio"])
     assert len(out["seconds"]["full"]) == len(out["seconds"]["detached"]) == 3
     # backward through the routing iterations is more matrix-product work than through the last one
     assert out["flops"]["full"] > out["flops"]["detached"] > 0
     assert net.digit.detach is False and not net.training and net.digit.W.grad is None
     with pytest.raises(ValueError, match="pairs"):
-        cg.step_cost(net, x, y, pairs=1)
+        ch04.step_cost(net, x, y, pairs=1)
     with pytest.raises(TypeError, match="CapsNet"):
-        cg.step_cost(torch.nn.Linear(2, 2), x, y)
+        ch04.step_cost(torch.nn.Linear(2, 2), x, y)

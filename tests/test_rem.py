@@ -1,5 +1,6 @@
-"""Unit tests of capslib.rem (chapter 6): quantizer, parse-tree dictionaries, quantized
-routing, pruning masks, saliency maps and the fully connected CapsNet."""
+"""Unit tests of chapter 6: capslib.rem (quantizer, parse-tree dictionaries, quantized routing,
+saliency maps, the fully connected CapsNet), capslib.pruning (masks, LOBSTER, SNIP) and the
+chapter's experiment and parse-tree graphs in capslib.book.ch06."""
 import math
 
 import pytest
@@ -8,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capslib
-from capslib import models, rem
+from capslib import models, pruning, rem
+from capslib.book import ch06
 
 
 # ------------------------------------------------------------------ quantize (Eq. 13)
@@ -150,26 +152,26 @@ def _net():
 
 def test_prunable_skips_decoder_and_masks_work():
     net = _net()
-    params = rem.prunable(net)
+    params = pruning.prunable(net)
     names = {type(m).__name__ for m, _ in params}
     assert names == {"Conv2d", "DenseCaps"} and len(params) == 3
-    rem.apply_global_magnitude(params, 0.5)
-    assert abs(rem.sparsity(params) - 0.5) < 0.01
+    pruning.apply_global_magnitude(params, 0.5)
+    assert abs(pruning.sparsity(params) - 0.5) < 0.01
     assert all(hasattr(m, n + "_mask") for m, n in params)
-    before = rem.sparsity(params)
-    rem.apply_global_magnitude(params, 0.2)   # never revives pruned weights
-    assert rem.sparsity(params) == before
+    before = pruning.sparsity(params)
+    pruning.apply_global_magnitude(params, 0.2)   # never revives pruned weights
+    assert pruning.sparsity(params) == before
     assert models.count_parameters(net.digit, nonzero=True) < net.digit.W_orig.numel()
 
 
 def test_level_sweep_sees_loaded_pruned_weights():
     net = _net()
-    params = rem.prunable(net)
-    rem.apply_global_magnitude(params, 0.6)
+    params = pruning.prunable(net)
+    pruning.apply_global_magnitude(params, 0.6)
     with torch.no_grad():
         net.digit.W_orig.mul_(3.0)                 # changed after the last forward
     fresh = _net()
-    rem.attach_masks(rem.prunable(fresh))
+    pruning.attach_masks(pruning.prunable(fresh))
     fresh.load_state_dict({k: v.clone() for k, v in net.state_dict().items()})
     x = torch.rand(5, 1, 28, 28)
     _, u_hat, _ = rem.last_couplings(fresh, x)
@@ -184,7 +186,7 @@ def test_lobster_step_shrinks_insensitive_weights_only():
     with torch.no_grad():
         lin.weight.copy_(torch.tensor([[1.0, 1.0]]))
     lin.weight.grad = torch.tensor([[0.0, 2.0]])
-    rem.lobster_step([(lin, "weight")], lam=0.1)
+    pruning.lobster_step([(lin, "weight")], lam=0.1)
     torch.testing.assert_close(lin.weight.detach(), torch.tensor([[0.9, 1.0]]))
 
 
@@ -192,22 +194,22 @@ def test_threshold_search_respects_validation_loss():
     net = _net()
     x, y = torch.rand(20, 1, 28, 28), torch.randint(0, 3, (20,))
     val = capslib.data.Split(x, y)
-    params = rem.prunable(net)
-    base = rem.margin_loss_on(net, val)
-    s = rem.threshold_search(net, params, val, tolerance=0.0, steps=5)
+    params = pruning.prunable(net)
+    base = pruning.margin_loss_on(net, val)
+    s = pruning.threshold_search(net, params, val, tolerance=0.0, steps=5)
     assert 0.0 <= s < 1.0
-    assert rem.margin_loss_on(net, val) <= base + 1e-6
+    assert pruning.margin_loss_on(net, val) <= base + 1e-6
 
 
 def test_snip_masks_keep_requested_fraction():
     net = _net()
-    params = rem.prunable(net)
+    params = pruning.prunable(net)
     x, y = torch.rand(8, 1, 28, 28), torch.randint(0, 3, (8,))
-    masks = rem.snip_masks(net, params, rem.margin_loss_fn, x, y, 0.7)
+    masks = pruning.snip_masks(net, params, rem.margin_loss_fn, x, y, 0.7)
     kept = sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
     assert abs(kept - 0.3) < 0.01
     with pytest.raises(ValueError, match="fraction"):
-        rem.snip_masks(net, params, rem.margin_loss_fn, x, y, 1.0)
+        pruning.snip_masks(net, params, rem.margin_loss_fn, x, y, 1.0)
 
 
 # ------------------------------------------------------------------ saliency (Eq. 16), FC CapsNet
@@ -231,7 +233,7 @@ def test_fc_capsnet_shapes_parse_tree_and_lazy_export():
     out = net(torch.rand(2, 1, 28, 28))
     assert out.lengths.shape == (2, 3)
     assert [c.shape for c in out.couplings] == [(2, 5, 4), (2, 4, 4), (2, 4, 3)]
-    G = rem.parse_tree_graph(out, 1)
+    G = ch06.parse_tree_graph(out, 1)
     assert G.number_of_nodes() == 5 + 4 + 4 + 3
     in_tree = sum(d["in_tree"] for _, d in G.nodes(data=True))
     assert in_tree == int(rem.tree_size(out)[1])
@@ -260,21 +262,21 @@ def test_compare_methods_trains_four_networks_with_keyed_checkpoints_and_resumes
         return capslib.data.Split(torch.rand(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
 
     tr, val, test = split(32), split(16), split(16)
-    run = rem.compare_methods(3, S, tr, val, test, track=True, progress=False)
-    assert run["seed"] == 3 and tuple(run["nets"]) == rem.METHODS
+    run = ch06.compare_methods(3, S, tr, val, test, track=True, progress=False)
+    assert run["seed"] == 3 and tuple(run["nets"]) == ch06.METHODS
     assert run["params"]["vanilla (+Q)"] is None
     h = run["history"]
     assert len(h["vanilla (+Q)"]["loss"]) == 2 and len(h["REM (LOBSTER)"]["loss"]) == 1 and len(h["SNIP"]["loss"]) == 2
     assert len(h["vanilla (+Q)"]["levels"]) == 2          # the tracker saw the shared start and the rest
     assert h["IMP"]["sparsity"][-1] == pytest.approx(0.5, abs=0.01)
-    assert rem.sparsity(run["params"]["SNIP"]) == pytest.approx(rem.sparsity(run["params"]["REM (LOBSTER)"]), abs=0.01)
+    assert pruning.sparsity(run["params"]["SNIP"]) == pytest.approx(pruning.sparsity(run["params"]["REM (LOBSTER)"]), abs=0.01)
     names = sorted(p.name for p in tmp_path.rglob("*.pt"))
     assert names == sorted(f"06_rem_{n}_s3.pt" for n in ("start", "vanilla", "rem", "imp", "snip"))
-    again = rem.compare_methods(3, S, tr, val, test, track=True, progress=False)   # every run loads its checkpoint
-    for m in rem.METHODS:
+    again = ch06.compare_methods(3, S, tr, val, test, track=True, progress=False)   # every run loads its checkpoint
+    for m in ch06.METHODS:
         for a, b in zip(run["nets"][m].state_dict().values(), again["nets"][m].state_dict().values()):
             torch.testing.assert_close(a, b)
-    other = rem.compare_methods(4, S, tr, val, test, progress=False)                # another seed: other weights
+    other = ch06.compare_methods(4, S, tr, val, test, progress=False)                # another seed: other weights
     assert not torch.equal(other["nets"]["vanilla (+Q)"].digit.W, run["nets"]["vanilla (+Q)"].digit.W)
 
 
@@ -282,13 +284,13 @@ def test_compare_methods_trains_four_networks_with_keyed_checkpoints_and_resumes
 
 def test_lobster_sensitivity_forms():
     g = torch.tensor([[-0.004, 0.001], [0.002, 0.0]])
-    torch.testing.assert_close(rem.lobster_sensitivity(g, "raw"), g.abs())
-    torch.testing.assert_close(rem.lobster_sensitivity(g, None), g.abs())
-    torch.testing.assert_close(rem.lobster_sensitivity(g, "max"), torch.tensor([[1.0, 0.25], [0.5, 0.0]]))
-    assert rem.lobster_sensitivity(g, "none").abs().sum() == 0
-    assert rem.lobster_sensitivity(torch.zeros(3), "max").tolist() == [0.0, 0.0, 0.0]   # no division by zero
+    torch.testing.assert_close(pruning.lobster_sensitivity(g, "raw"), g.abs())
+    torch.testing.assert_close(pruning.lobster_sensitivity(g, None), g.abs())
+    torch.testing.assert_close(pruning.lobster_sensitivity(g, "max"), torch.tensor([[1.0, 0.25], [0.5, 0.0]]))
+    assert pruning.lobster_sensitivity(g, "none").abs().sum() == 0
+    assert pruning.lobster_sensitivity(torch.zeros(3), "max").tolist() == [0.0, 0.0, 0.0]   # no division by zero
     with pytest.raises(ValueError, match="kind must be one of"):
-        rem.lobster_sensitivity(g, "quantile")
+        pruning.lobster_sensitivity(g, "quantile")
 
 
 def _one_layer(weight, grad):
@@ -303,25 +305,25 @@ def test_lobster_step_raw_is_weight_decay_for_small_gradients_and_max_gates():
     w = torch.tensor([[1.0, 2.0, -3.0, 4.0]])
     g = torch.tensor([[1e-3, 2e-3, 4e-3, 0.0]])               # gradients as small as on the ci CapsNet
     params = _one_layer(w, g)
-    share = rem.lobster_step(params, lam=0.1)                  # default: the formula as printed
+    share = pruning.lobster_step(params, lam=0.1)                  # default: the formula as printed
     torch.testing.assert_close(params[0][0].weight.detach(), w - 0.1 * w * (1 - g.abs()))
     assert share == {"raw": 0.0, "applied": 0.0}               # no gate below 0.99: plain weight decay
     params = _one_layer(w, g)
-    share = rem.lobster_step(params, lam=0.1, sensitivity="max")
+    share = pruning.lobster_step(params, lam=0.1, sensitivity="max")
     gate = torch.tensor([[0.75, 0.5, 0.0, 1.0]])                # 1 - |g| / max|g|
     torch.testing.assert_close(params[0][0].weight.detach(), w - 0.1 * w * gate)
     assert share["raw"] == 0.0 and share["applied"] == pytest.approx(0.75)
     params = _one_layer(w, g)
-    rem.lobster_step(params, lam=0.1, sensitivity="none")
+    pruning.lobster_step(params, lam=0.1, sensitivity="none")
     torch.testing.assert_close(params[0][0].weight.detach(), 0.9 * w)
 
 
 def test_lobster_step_counts_only_live_weights():
     w = torch.tensor([[1.0, 2.0, -3.0, 4.0]])
     params = _one_layer(w, torch.tensor([[1e-3, 2e-3, 4e-3, 0.0]]))
-    rem.set_mask(*params[0], torch.tensor([[1.0, 1.0, 0.0, 1.0]]))   # the weight with the largest gradient is pruned
+    pruning.set_mask(*params[0], torch.tensor([[1.0, 1.0, 0.0, 1.0]]))   # the weight with the largest gradient is pruned
     params[0][0].weight_orig.grad = torch.tensor([[1e-3, 2e-3, 4e-3, 0.0]])
-    share = rem.lobster_step(params, lam=0.1, sensitivity="max")
+    share = pruning.lobster_step(params, lam=0.1, sensitivity="max")
     assert share["applied"] == pytest.approx(2 / 3)                  # gates 0.75, 0.5 (live) and 1.0
 
 
@@ -329,7 +331,7 @@ def test_matched_pruner_follows_the_targets_and_records_gates():
     torch.manual_seed(0)
     lin = torch.nn.Linear(20, 10, bias=False)
     params = [(lin, "weight")]
-    pr = rem.MatchedPruner(params, [0.3, 0.6], lam=0.05, decay=0.5, sensitivity="none")
+    pr = pruning.MatchedPruner(params, [0.3, 0.6], lam=0.05, decay=0.5, sensitivity="none")
     history = {}
     for epoch in range(3):
         lin.weight_orig.grad = torch.randn(10, 20) * 1e-3
@@ -338,7 +340,7 @@ def test_matched_pruner_follows_the_targets_and_records_gates():
     assert history["sparsity"] == pytest.approx([0.3, 0.6, 0.6])
     assert len(history["gate_active"]) == 3 and all(g["applied"] == 0.0 for g in history["gate_active"])
     assert pr.lam == pytest.approx(0.05 * 0.5 ** 3)
-    none = rem.MatchedPruner([(torch.nn.Linear(4, 4, bias=False), "weight")], [0.5], lam=0.0)
+    none = pruning.MatchedPruner([(torch.nn.Linear(4, 4, bias=False), "weight")], [0.5], lam=0.0)
     before = none.params[0][0].weight_orig.detach().clone()
     none.params[0][0].weight_orig.grad = torch.ones(4, 4)
     none.before_step(None, None)                                       # lam = 0: no shrinkage, nothing recorded

@@ -33,7 +33,7 @@ TEST_THREADS ?= 1
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: gpu-data units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce smoke data assignments book-student student-check compare-student clean venv lock spread
+.PHONY: gpu-data units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce paper-scale smoke data assignments book-student student-check compare-student clean venv lock spread
 
 # The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
 # bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
@@ -109,6 +109,11 @@ test-browser: build-strict
 reproduce: $(STAMP)
 	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.tools.reproduce --profile full $(CHAPTERS); \
 	  else $(PY) -m capslib.tools.reproduce --profile full all && $(MAKE) build-strict; fi
+
+# make paper-scale: after a GPU allocation committed new unit results (book/results/full/), the committed
+# notebooks' paper-scale cells executed again in place (nothing else is run); commit the notebooks
+paper-scale: $(STAMP)
+	@$(PY) -m capslib.tools.reproduce --paper-scale all
 
 # make publish: the committed notebooks re-executed in place from a clean state (every training from
 # scratch, no checkpoint of an earlier execution), then the strict build; PROFILE as for make book

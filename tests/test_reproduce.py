@@ -173,3 +173,61 @@ def test_execute_main_writes_the_executed_copy_and_reports_a_failing_cell(tmp_pa
     assert (out / "bad.ipynb").exists()
     with pytest.raises(SystemExit):
         execute.main([str(tmp_path / "missing.ipynb"), "--output-dir", str(out)])
+
+
+def test_full_edition_without_a_gpu_renders_only_the_paper_scale_cells(tmp_path):
+    import nbformat
+
+    assert reproduce.paper_scale_only("full", forced=False, cuda=False)
+    assert not reproduce.paper_scale_only("full", forced=False, cuda=True)
+    assert not reproduce.paper_scale_only("ci", forced=False, cuda=False)
+    assert reproduce.paper_scale_only("ci", forced=True, cuda=True)
+    # a chapter's own training (here: a cell that would fail) keeps its committed output; the
+    # paper-scale cell runs after the first code cell, in a fresh kernel, and its new output replaces its old one
+    setup = nbformat.v4.new_code_cell("base = 40")
+    training = nbformat.v4.new_code_cell("raise RuntimeError('a training would run here')")
+    training.outputs = [nbformat.v4.new_output("stream", name="stdout", text="committed\n")]
+    paper = nbformat.v4.new_code_cell("print(base + 2)", metadata={"tags": ["hide-input", "paper-scale"]})
+    paper.outputs = [nbformat.v4.new_output("stream", name="stdout", text="old\n")]
+    path = tmp_path / "09_x.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[setup, training, paper]), path)
+    assert reproduce.paper_scale_cells(nbformat.read(path, as_version=4)) == [2]
+    ok, _, nb = reproduce.render_paper_scale(path, "ci", timeout=60)
+    assert ok
+    assert nb.cells[1].outputs[0]["text"] == "committed\n"
+    assert nb.cells[2].outputs[0]["text"].strip() == "42"
+    # a notebook without paper-scale cells is left as it is, unexecuted
+    nbformat.write(nbformat.v4.new_notebook(cells=[training]), path)
+    ok, seconds, nb = reproduce.render_paper_scale(path, "ci", timeout=60)
+    assert ok and seconds == 0.0 and nb.cells[0].outputs[0]["text"] == "committed\n"
+
+
+def test_every_paper_scale_cell_is_self_contained():
+    # rendered after the first code cell only: a paper-scale cell may use only names it imports or
+    # defines itself, and the names the first code cell defines
+    import ast
+    import builtins as py_builtins
+
+    import nbformat
+
+    builtins = set(dir(py_builtins)) | {"display", "get_ipython"}   # the last two: IPython's
+    for path in reproduce.every_notebook():
+        nb = nbformat.read(path, as_version=4)
+        cells = reproduce.paper_scale_cells(nb)
+        if not cells:
+            continue
+        first = next(c for c in nb.cells if c.cell_type == "code")
+        known = set(builtins)
+        for cell in [first] + [nb.cells[i] for i in cells]:
+            tree = ast.parse(cell.source)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    known |= {(a.asname or a.name).split(".")[0] for a in node.names}
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    known.add(node.id)
+                elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    known.add(node.name)
+                elif isinstance(node, ast.arg):
+                    known.add(node.arg)
+            used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            assert used <= known, f"{path.name}: a paper-scale cell uses {sorted(used - known)} from earlier cells"

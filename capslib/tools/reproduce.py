@@ -12,6 +12,14 @@ the chapter is then reported incomplete, nothing is recorded, and the same comma
 A notebook that raises is not written back (its executed copy goes to
 ``_build/reproduce/`` for reading) and the command exits with status 1.
 
+**The full edition on a CPU.** At ``--profile full`` on a machine without CUDA the chapters' own
+trainings are not re-run (at paper size they would take hours there): every notebook keeps its
+committed outputs, and only the cells tagged ``paper-scale`` are executed again, each notebook in a
+fresh kernel after its first code cell (``capslib.book.setup()``), so that they draw the committed
+experiment-unit results (``book/results/full/``) as they stand. A ``paper-scale`` cell therefore
+imports what it uses itself. ``--paper-scale`` asks for this at any profile (``make paper-scale``
+refreshes the committed notebooks in place after a GPU allocation committed new results).
+
 This is what ``make reproduce CHAPTERS="02 04"`` runs; it needs no Jupyter server, only
 ``nbclient`` and ``ipykernel`` (see the offline bundle, ``make bundle``).
 
@@ -101,6 +109,59 @@ def execute(path: Path, profile: str, timeout: int | None = None, env: dict | No
     return ok, time.perf_counter() - start, nb
 
 
+PAPER_SCALE_TAG = "paper-scale"
+
+
+def paper_scale_cells(nb) -> list[int]:
+    """Indices of the cells tagged ``paper-scale`` (code cells only)."""
+    return [i for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and PAPER_SCALE_TAG in c.get("metadata", {}).get("tags", [])]
+
+
+def render_paper_scale(path: Path, profile: str, timeout: int | None = None,
+                       env: dict | None = None) -> tuple[bool, float, object]:
+    """Execute only ``path``'s first code cell and its ``paper-scale`` cells, in that order, in a fresh
+    kernel; the paper-scale cells' new outputs replace theirs, every other cell keeps its committed
+    outputs. Returns (succeeded, seconds, the whole notebook); a notebook without such cells is
+    returned unexecuted."""
+    import nbformat
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    from .execute import client, environment
+
+    nb = nbformat.read(path, as_version=4)
+    tagged = paper_scale_cells(nb)
+    if not tagged:
+        return True, 0.0, nb
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    order = [first] + [i for i in tagged if i != first]
+    part = nbformat.v4.new_notebook(metadata=nb.metadata)
+    part.cells = [nbformat.from_dict(dict(nb.cells[i])) for i in order]
+    start = time.perf_counter()
+    try:
+        client(part, path, timeout=timeout).execute(env=environment(profile, **(env or {})))
+        ok = True
+    except (CellTimeoutError, CellExecutionError) as err:
+        print(f"{path.name}: a paper-scale cell failed: {str(err)[-2000:]}", file=sys.stderr)
+        ok = False
+    if ok:
+        for i, cell in zip(order[1:], part.cells[1:]):
+            nb.cells[i]["outputs"] = cell["outputs"]
+            nb.cells[i]["execution_count"] = cell.get("execution_count")
+    return ok, time.perf_counter() - start, nb
+
+
+def paper_scale_only(profile: str, forced: bool, cuda: bool | None = None) -> bool:
+    """Whether a run renders only the paper-scale cells: asked for, or the full profile on a machine
+    without CUDA (where the chapters' paper-size trainings would take hours)."""
+    if forced:
+        return True
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    return profile == "full" and not cuda
+
+
 def record_wall_time(path: Path, profile: str, seconds: float) -> None:
     """Add the notebook's execution time (kernel start to last cell) to the chapter's results file,
     if the notebook wrote one (``wall_seconds`` there is the session's, from ``capslib.book.setup()``)."""
@@ -123,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="train everything from scratch: checkpoints in a new empty folder (make publish)")
     p.add_argument("--into", type=Path, default=None,
                    help="execute copies in this folder (tracked files untouched) instead of in place")
+    p.add_argument("--paper-scale", action="store_true",
+                   help="execute only the cells tagged paper-scale (after each notebook's first code cell); "
+                        "the default at --profile full without a GPU")
     a = p.parse_args(argv)
     import nbformat
 
@@ -130,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = profiles.current() if a.profile == "auto" else a.profile
     paths = every_notebook() if a.chapters == ["all"] else [notebook_of(c) for c in a.chapters]
+    only_paper = paper_scale_only(profile, a.paper_scale)
+    if only_paper and not a.paper_scale:
+        print("full profile without a GPU: every chapter keeps its committed outputs and only its paper-scale "
+              "cells are executed, from the committed experiment-unit results", flush=True)
+    run = (lambda path, t, env=None: render_paper_scale(path, profile, t, env)) if only_paper else \
+        (lambda path, t, env=None: execute(path, profile, t, env))
+    what = "paper-scale cells of" if only_paper else "executed"
     if a.fresh:  # the kernels inherit it; earlier checkpoints stay where they were, unused
         fresh = ROOT / "_build" / "publish-checkpoints" / time.strftime("%Y%m%d-%H%M%S")
         fresh.mkdir(parents=True)
@@ -141,18 +212,19 @@ def main(argv: list[str] | None = None) -> int:
         failed = 0
         for path in paths:
             copy = staged / path.name
-            ok, seconds, nb = execute(copy, profile, a.timeout, env)
+            ok, seconds, nb = run(copy, a.timeout, env)
             nbformat.write(nb, copy)
-            print(f"{'executed' if ok else 'FAILED  '} {path.name} at {profile} in {seconds:.0f} s", flush=True)
+            print(f"{what if ok else 'FAILED  '} {path.name} at {profile} in {seconds:.0f} s", flush=True)
             failed += not ok
         return 1 if failed else 0
     failed = 0
     for path in paths:
-        ok, seconds, nb = execute(path, profile, a.timeout)
+        ok, seconds, nb = run(path, a.timeout)
         if ok:
             nbformat.write(nb, path)
-            record_wall_time(path, profile, seconds)
-            print(f"executed {path.name} at {profile} in {seconds:.0f} s", flush=True)
+            if not only_paper:
+                record_wall_time(path, profile, seconds)
+            print(f"{what} {path.name} at {profile} in {seconds:.0f} s", flush=True)
         else:
             out = ROOT / "_build" / "reproduce"
             out.mkdir(parents=True, exist_ok=True)

@@ -251,7 +251,9 @@ def test_probe_agrees_across_cpu_kernels():
     import subprocess
     import sys
 
-    keys = ["02/main/s0", "02/baseline/s0", "02/table1/r1-norecon/s0"]
+    # one CapsNet unit (the baseline CNN's probe, a 35M-parameter float64 step, took most of this test's
+    # time; its operations, convolutions and matrix products, are those the CapsNet's probe runs too)
+    keys = ["02/main/s0"]
     code = ("import json; from capslib.book import units as U\n"
             f"print(json.dumps({{k: U.probe_values(U.get(k)) for k in {keys!r}}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -1,10 +1,17 @@
-"""Chapter 3 (soft-routing gradients): its sizes per profile and its figures; the network, its
-gradients and training live in the library, :mod:`capslib.soft_routing`."""
+"""Chapter 3 (soft-routing gradients): its sizes per profile, its figures, and its experiment units
+at paper scale (``03/routes/M<M>/s<k>``, ``03/ablation/<variant>/s<k>``; see the notes above
+:func:`unit_run`) with the views that draw them; the network, its gradients and training live in the
+library, :mod:`capslib.soft_routing`."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
+from .. import data, soft_routing as sr, train
 from . import profiles
+from .units import Unit, encode_array, register
 from .viz import heatmap_grid
 
 CHAPTER = "03_soft_routing_gradients"
@@ -36,3 +43,499 @@ def route_heatmaps(matrices, titles, xlabel: str = "route j", ylabel: str = "cla
     return heatmap_grid(mats, titles, xlabel, ylabel, cbar_label, vmax=vmax, per_row=per_row, suptitle=suptitle,
                         panel_width=0.75 + 0.3 * width, panel_height=2.9,
                         xticklabels=[str(j + 1) for j in range(width)])
+
+
+# ============================================================================= paper scale as experiment units
+#
+# Every training that chapter 3's figures and numbers rest on, at paper scale, as one unit per
+# configuration and seed (see :mod:`capslib.book.units`):
+#
+# - ``03/routes/M<M>/s<k>``: the soft-routing network with M = 1, 2, 4, 8 routes, float64, trained by
+#   gradient descent on the energy summed over each minibatch (autograd and ``torch.optim.SGD`` without
+#   momentum, the update the chapter shows equal to its hand-coded one). Measured: test accuracy; route
+#   use, routing entropy and route-class mutual information on the test digits; the mean routing weight
+#   per class and route on the validation digits at initialisation and after every epoch. M = 4 is the
+#   chapter's main network: with two routes or more a run also routes its trained votes by agreement
+#   (the bridge to capsules) and measures the gradient shares of hand-set routing weights.
+# - ``03/ablation/<variant>/s<k>``: the slides' network (M = 4, float32) and its four ablations
+#   (:data:`capslib.soft_routing.VARIANTS`) on all the training digits: routing entropy, mutual
+#   information and gate sum on the validation digits at initialisation and after every epoch.
+#
+# Schedule: every unit trains for UNIT_SCHEDULE["epochs"] epochs, fewer than the `full` profile's FULL_EPOCHS,
+# so that each projects within 8 minutes on one H100 at the rate assumed for a network that has not
+# been measured there yet (the step size, minibatch, initialisation and data are the `full` profile's).
+
+_FULL = profiles.SIZES[CHAPTER]["full"]
+# ``version`` counts changes to what the units' ``run`` or ``capslib.train.fit`` do that the probe
+# cannot see (bump it with such a change: every chapter-3 result then reads stale).
+UNIT_SCHEDULE = dict(version=1, dataset="mnist", split_seed=0, validation=5000, train_images=55_000, epochs=50,
+                     batch_size=_FULL["batch_size"], lr=_FULL["lr"], init_std=_FULL["init_std"],
+                     routing_init_std=_FULL["routing_init_std"],
+                     optimizer="SGD without momentum on the energy summed over the minibatch",
+                     in_use=0.05, bridge_patch=7, bridge_iterations=3, shares_digits=200, r_high=0.9, r_low=0.3,
+                     eval_batch=5000)
+FULL_EPOCHS = _FULL["epochs"]        # what the `full` profile trains (its notebook run on a GPU)
+UNIT_ROUTES = tuple(_FULL["compare_routes"])
+UNIT_MAIN_ROUTES = _FULL["routes"]
+UNIT_SEEDS = tuple(range(_FULL["compare_seeds"]))
+ABLATION_SEEDS = tuple(range(_FULL["ablation_seeds"]))
+VARIANT_NAMES = {v: v.replace(" ", "-") for v in sr.VARIANTS}     # "no r in eta" -> "no-r-in-eta"
+UNIT_FAMILY = "softrouting785"   # the 785-input soft-routing network: no rate measured on an H100 yet
+CLASSES = 10
+# Smoke runs (CPU tests, rehearsals): the same code on the embedded digits, few of them, two epochs
+UNIT_SMOKE = dict(dataset="embedded", epochs=2, train=300, val=100, test=100, shares_digits=50)
+
+
+def _splits(unit: Unit, device: torch.device, smoke: bool, dtype: torch.dtype):
+    """Train, validation and test digits on ``device``, flattened with the constant input appended."""
+    cfg = unit.config
+    splits = data.load(UNIT_SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=cfg["split_seed"])
+    tr, val, te = splits["train"], splits["val"], splits["test"]
+    if smoke:
+        tr, val, te = tr.subset(UNIT_SMOKE["train"]), val.subset(UNIT_SMOKE["val"]), te.subset(UNIT_SMOKE["test"])
+    elif (len(tr), len(val)) != (cfg["train_images"], cfg["validation"]):
+        raise ValueError(f"{unit.key}: expected {cfg['train_images']:,} training and {cfg['validation']:,} validation "
+                         f"digits; got {len(tr):,} and {len(val):,} (a smoke setting in the environment?)")
+    flat = lambda s: data.Split(sr.with_bias(s.x.to(dtype)), s.y)   # noqa: E731
+    return flat(tr), flat(val), flat(te)
+
+
+def _dtype(unit: Unit) -> torch.dtype:
+    return {"float64": torch.float64, "float32": torch.float32}[unit.config["precision"]]
+
+
+def unit_net(unit: Unit, d_in: int = 28 * 28 + 1, device=None, dtype: torch.dtype | None = None) -> sr.SoftRoutingNet:
+    """The unit's untrained network: the chapter's initialisation (weights drawn from a generator seeded
+    by the unit's seed, as ``make_net`` and ``ablation_net`` in the chapter draw them)."""
+    cfg = unit.config
+    return sr.SoftRoutingNet(d_in, CLASSES, cfg["routes"], init_std=cfg["init_std"],
+                             routing_init_std=cfg["routing_init_std"],
+                             generator=torch.Generator().manual_seed(unit.seed), dtype=dtype or _dtype(unit),
+                             device=device)
+
+
+def unit_energy(unit: Unit, model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor):
+    """The energy the unit minimises on a minibatch, summed over it, and the outputs that score it."""
+    v = unit.config["variant"]
+    r, Y, out = sr.variant_outputs(model, x, v)
+    return sr.variant_energy(r, Y, out, sr.one_hot(y, CLASSES, dtype=out.dtype), v), out
+
+
+def unit_predict(unit: Unit):
+    """The outputs that score a digit, ``predict(model, x)``, as the unit's variant computes them."""
+    return lambda model, x: sr.variant_outputs(model, x, unit.config["variant"])[2]
+
+
+def unit_fit(unit: Unit, net: sr.SoftRoutingNet, tr: data.Split, epochs: int, loss_fn=None, val: data.Split | None = None,
+             on_epoch_end=None, progress: bool = True) -> dict:
+    """Train ``net`` as the unit does: ``capslib.train.fit`` with plain gradient descent (SGD without
+    momentum, step ``lr``) on the energy summed over each minibatch of a permutation seeded by the unit's
+    seed, the chapter's ``train_gd`` and ``train_variant`` computed by autograd."""
+    cfg = unit.config
+    loss_fn = loss_fn or (lambda model, x, y: unit_energy(unit, model, x, y))
+    return train.fit(net, tr, loss_fn, epochs=epochs, batch_size=cfg["batch_size"],
+                     optimizer=torch.optim.SGD(net.parameters(), lr=cfg["lr"]), val=val, predict=unit_predict(unit),
+                     seed=unit.seed, amp=False, progress=progress, on_epoch_end=on_epoch_end,
+                     eval_batch_size=cfg["eval_batch"], desc=unit.key)
+
+
+def unit_probe(unit: Unit) -> dict:
+    """One training step of the unit's network at full size in float64 on the CPU (weights drawn from
+    seed 0, four seeded random digits, the unit's variant with its start and energy): the energy and the
+    gradient norms of R and P."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    cfg = unit.config
+    net = sr.SoftRoutingNet(28 * 28 + 1, CLASSES, cfg["routes"], init_std=cfg["init_std"],
+                            routing_init_std=cfg["routing_init_std"], generator=g, dtype=torch.float64)
+    x = sr.with_bias(torch.rand(4, 1, 28, 28, generator=g, dtype=torch.float64))
+    y = torch.tensor([0, 3, 7, 9])
+    if cfg["variant"] == "gates sum to 1":
+        sr.init_gates_sum_to_one(net, x)
+    loss, _ = unit_energy(unit, net, x, y)
+    loss.backward()
+    return {"energy": loss.item(), "x_sum": x.sum().item(), "grad:R": net.R.grad.norm().item(),
+            "grad:P": net.P.grad.norm().item()}
+
+
+@torch.no_grad()
+def _mixing(model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor, variant: str) -> dict:
+    """Route use per class (C, M), routing entropy and route-class mutual information (bits), gate sum."""
+    r, _, _ = sr.variant_outputs(model, x, variant)
+    return {"usage": sr.route_usage(r, y, CLASSES), "entropy": float(sr.routing_entropy(r)),
+            "mi": float(sr.route_class_mutual_information(r, y, CLASSES)), "gate_sum": float(r.sum(dim=1).mean())}
+
+
+@torch.no_grad()
+def _initial_gate_error(model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor, variant: str) -> dict:
+    """What the first steps start from (Eq. ch3-gr): the share of (digit, route) pairs with g(j) > 0, its
+    mean, and the mean route output."""
+    r, Y, _ = sr.variant_outputs(model, x, variant)
+    g = sr.error_signals(r, Y, sr.one_hot(y, CLASSES, dtype=Y.dtype)).g_r
+    return {"g_positive": float((g > 0).to(torch.float64).mean()), "g_mean": float(g.mean()),
+            "route_output_mean": float(Y.mean())}
+
+
+@torch.no_grad()
+def _bridge(model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor, patch: int, iterations: int,
+            used: list[int]) -> tuple[dict, dict]:
+    """The chapter's bridge to capsules on the test digits: the trained routes' votes per image patch
+    (Eq. ch3-votes) routed by agreement, against the learned gate's shares; the correlation of the two
+    shares across the digits within each route in ``used``."""
+    from ..routing import routing_trace
+
+    side = 28
+    pix = torch.arange(side * side, device=x.device).view(side, side)
+    patches = [pix[a:a + patch, b:b + patch].flatten() for a in range(0, side, patch) for b in range(0, side, patch)]
+    patches.append(torch.tensor([side * side], device=x.device))      # the constant input
+    P = model.P.detach()
+    u_hat = torch.stack([torch.einsum("moi,ni->nmo", P[:, :, idx], x[:, idx]) for idx in patches], dim=1)
+    cs, _ = routing_trace(u_hat, iterations=iterations)
+    agreement = cs[-1].mean(dim=1)                                          # (N, M)
+    learned = sr.route_distribution(model.routing(x))                       # (N, M)
+    a, q = agreement.double().cpu().numpy(), learned.double().cpu().numpy()
+    metrics = {
+        "pooled_correlation": float(np.corrcoef(a.ravel(), q.ravel())[0, 1]),
+        "same_top": float((agreement.argmax(1) == learned.argmax(1)).double().mean()),
+        "gate_top": float(learned.max(1).values.mean()), "agreement_top": float(agreement.max(1).values.mean()),
+        "gate_mi": float(sr.route_class_mutual_information(learned, y, CLASSES)),
+        "agreement_mi": float(sr.route_class_mutual_information(agreement, y, CLASSES)),
+        "within_route_correlation": {str(j + 1): float(np.corrcoef(a[:, j], q[:, j])[0, 1]) for j in used},
+        "patches": len(patches), "iterations": iterations,
+    }
+    arrays = {"learned_share_by_class": encode_array(sr.route_usage(learned, y, CLASSES)),
+              "agreement_share_by_class": encode_array(sr.route_usage(agreement, y, CLASSES)),
+              "couplings_digit0": encode_array(torch.stack([c[0] for c in cs])),        # (iterations, patches, M)
+              "label_digit0": encode_array(y[:1], "int64")}
+    return metrics, arrays
+
+
+@torch.no_grad()
+def _gradient_shares(P0: torch.Tensor, P1: torch.Tensor, x: torch.Tensor, y: torch.Tensor, favourite: int,
+                     ignored: list[int], r_high: float, r_low: float) -> dict:
+    """The chapter's hand-set routing weights: each route's share of the routing weight and of the
+    gradient, with the favourite route (then the first ignored one) at ``r_high`` and the others at ``r_low``."""
+    t = sr.one_hot(y, CLASSES, dtype=x.dtype)
+    M = P0.shape[0]
+
+    def r_with(j_high):
+        return torch.tensor([r_high if j == j_high else r_low for j in range(M)], dtype=x.dtype, device=x.device)
+
+    def gap(P, r):
+        n = sr.route_gradient_norms(P, x, t, r)
+        return float(((r / r.sum()) - n / n.sum()).abs().max()), n / n.sum()
+
+    gap_init, _ = gap(P0, r_with(favourite))
+    gap_trained, _ = gap(P1, r_with(favourite))
+    Y = torch.sigmoid(torch.einsum("moi,ni->nmo", P1, x))
+    slope = (Y * (1 - Y)).mean(dim=(0, 2))
+    out = {"digits": len(y), "gap_initial": gap_init, "gap_trained": gap_trained, "slope_favourite": float(slope[favourite])}
+    if ignored:
+        _, raised = gap(P1, r_with(ignored[0]))
+        out.update(slope_ignored_min=float(slope[ignored].min()), raised_share=float(raised[ignored[0]]),
+                   raised_favourite_share=float(raised[favourite]))
+    return out
+
+
+def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
+    """Train the unit's network (see the notes above the unit declarations) and measure it."""
+    cfg = unit.config
+    variant, dtype = cfg["variant"], _dtype(unit)
+    if device.type == "cuda":      # float32 means float32: no TF32 products
+        torch.backends.cuda.matmul.allow_tf32 = False
+    tr, val, te = _splits(unit, device, smoke, dtype)
+    epochs = UNIT_SMOKE["epochs"] if smoke else cfg["epochs"]
+    torch.manual_seed(unit.seed)
+    net = unit_net(unit, tr.x.shape[1], device=device, dtype=dtype)
+    if variant == "gates sum to 1":
+        sr.init_gates_sum_to_one(net, tr.x)      # on the training inputs, as train_variant does
+    P0 = net.P.detach().clone()
+    start = _mixing(net, val.x, val.y, variant)
+    start_g = _initial_gate_error(net, val.x, val.y, variant)
+    usage = [start["usage"]]
+    energy_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    def loss_fn(model, x, y):
+        nonlocal energy_sum
+        E, out = unit_energy(unit, model, x, y)
+        energy_sum = energy_sum + E.detach().double()
+        return E, out.detach()
+
+    def record(epoch, model, history):     # after every epoch, on the validation digits
+        nonlocal energy_sum
+        history.setdefault("energy_per_digit", []).append(float(energy_sum) / len(tr))
+        energy_sum = torch.zeros_like(energy_sum)
+        mix = _mixing(model, val.x, val.y, variant)
+        usage.append(mix["usage"])
+        for k in ("entropy", "mi", "gate_sum"):
+            history.setdefault(f"val_{k}", []).append(mix[k])
+
+    history = unit_fit(unit, net, tr, epochs, loss_fn, val=val, on_epoch_end=record)
+    acc = train.evaluate(net, te, batch_size=cfg["eval_batch"], predict=unit_predict(unit))
+    M = cfg["routes"]
+    metrics = {
+        "test_accuracy": acc, "test_error": 1 - acc, "test_images": len(te),
+        "test_binomial_se": math.sqrt(acc * (1 - acc) / len(te)),
+        "final_val_accuracy": history["val_acc"][-1], "epochs": epochs, "train_images": len(tr),
+        "routes": M, "log2_routes": math.log2(M), "params": sum(p.numel() for p in net.parameters()),
+        "initial": {"entropy_bits": start["entropy"], "mutual_information_bits": start["mi"],
+                    "gate_sum": start["gate_sum"], **start_g},
+        "final_val_entropy_bits": history["val_entropy"][-1], "final_val_mutual_information_bits": history["val_mi"][-1],
+        "entropy_drop_epoch1_bits": start["entropy"] - history["val_entropy"][0],
+        "images_per_s_median": float(np.median(history["images_per_s"])),
+        "seconds_per_epoch_median": train.seconds_per_epoch(history),
+    }
+    with torch.no_grad():
+        r_test = sr.variant_outputs(net, te.x, variant)[0]
+    mean_r = r_test.mean(dim=0)
+    in_use = mean_r > cfg["in_use"]
+    metrics["test_mixing"] = {"routes_in_use": int(in_use.sum()), "entropy_bits": float(sr.routing_entropy(r_test)),
+                              "mutual_information_bits": float(sr.route_class_mutual_information(r_test, te.y, CLASSES)),
+                              "mean_r": [float(v) for v in mean_r]}
+    arrays = {"usage_by_epoch": encode_array(torch.stack(usage))}      # (epochs + 1, C, M), validation digits
+    start_top, final_top = int(usage[0].mean(0).argmax()), int(usage[-1].mean(0).argmax())
+    metrics["top_route"] = {"initial": start_top + 1, "final": final_top + 1}
+    growth = net.P.detach().flatten(1).norm(dim=1) / P0.flatten(1).norm(dim=1)
+    favourite = int(mean_r.argmax())
+    ignored = [j for j in range(M) if not bool(in_use[j])]
+    metrics["weight_growth"] = {"favourite": float(growth[favourite]),
+                                "ignored_max": float(growth[ignored].max()) if ignored else None}
+    if variant == "slides" and M >= 2 and dtype == torch.float64:
+        used = [j for j in range(M) if bool(in_use[j])]
+        m, a = _bridge(net, te.x, te.y, cfg["bridge_patch"], cfg["bridge_iterations"], used)
+        metrics["bridge"] = m
+        arrays.update(a)
+        n = UNIT_SMOKE["shares_digits"] if smoke else cfg["shares_digits"]
+        metrics["gradient_shares"] = _gradient_shares(P0, net.P.detach(), te.x[:n], te.y[:n], favourite, ignored,
+                                                      cfg["r_high"], cfg["r_low"])
+    hist = {k: v for k, v in history.items() if isinstance(v, list)}
+    return {"metrics": metrics, "history": hist, "arrays": arrays}
+
+
+def _unit_config(routes: int, variant: str, precision: str) -> dict:
+    return {**UNIT_SCHEDULE, "routes": routes, "variant": variant, "precision": precision,
+            "tf32": False}
+
+
+def _register_units() -> None:
+    images = UNIT_SCHEDULE["epochs"] * UNIT_SCHEDULE["train_images"]
+    order = [UNIT_MAIN_ROUTES] + [M for M in UNIT_ROUTES if M != UNIT_MAIN_ROUTES]   # the main network first
+    for s in UNIT_SEEDS:
+        for i, M in enumerate(order):
+            register(Unit("03", f"routes/M{M}", s, unit_run, _unit_config(M, "slides", "float64"), unit_probe,
+                          UNIT_FAMILY, images, 10 + 10 * s + i,
+                          f"soft routing with M = {M} route{'s' * (M > 1)}: test accuracy, route use, entropy, "
+                          f"mutual information" + ("; agreement bridge, gradient shares" if M >= 2 else "")))
+    for s in ABLATION_SEEDS:
+        for i, v in enumerate(sr.VARIANTS):
+            register(Unit("03", f"ablation/{VARIANT_NAMES[v]}", s, unit_run,
+                          _unit_config(UNIT_MAIN_ROUTES, v, "float32"), unit_probe, UNIT_FAMILY, images,
+                          14 + 10 * s + i, f"ablation '{v}' (M = {UNIT_MAIN_ROUTES}, float32): entropy and "
+                                           f"mutual information by epoch"))
+
+
+_register_units()
+
+
+# ----------------------------------------------------------------------------- the chapter's paper-scale views
+
+ABLATION_LABELS = {"slides": "the slides' network", "no r in eta": "no $r$ in $\\eta$", "softmax gate": "softmax gate",
+                   "competitive error": "competitive error", "gates sum to 1": "gates sum to 1"}
+
+
+def routes_groups(smoke: bool = False):
+    """The route comparison's results, one group per route count M (each over its seeds)."""
+    from .units import group
+    return [group(f"03/routes/M{M}", f"M = {M} route{'s' * (M > 1)}", smoke) for M in UNIT_ROUTES]
+
+
+def ablation_groups(smoke: bool = False):
+    """The ablations' results, one group per variant (the slides' network first)."""
+    from .units import group
+    return [group(f"03/ablation/{VARIANT_NAMES[v]}", f"the ablation '{v}'", smoke) for v in sr.VARIANTS]
+
+
+def _spread(values, fmt: str) -> str:
+    """Mean (± SD over seeds when there are two or more); "not yet run" for none."""
+    if not values:
+        return "not yet run"
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
+
+
+def _by_seed(g, get) -> dict:
+    return {r["seed"]: float(get(r)) for r in g.results}
+
+
+def routes_frame(groups):
+    """The route comparison at paper scale: per route count, mean ± SD over the seeds run of the test
+    accuracy, its paired difference to the smallest route count, and the routes' use on the test digits."""
+    import pandas as pd
+
+    base = _by_seed(groups[0], lambda r: r["metrics"]["test_accuracy"])
+    rows = []
+    for M, g in zip(UNIT_ROUTES, groups):
+        acc = _by_seed(g, lambda r: r["metrics"]["test_accuracy"])
+        both = sorted(set(acc) & set(base))
+        mix = lambda k: [r["metrics"]["test_mixing"][k] for r in g.results]   # noqa: E731
+        rows.append((f"M = {M}", M * (CLASSES + 1) * (28 * 28 + 1), _spread(list(acc.values()), ".4f"),
+                     "–" if M == UNIT_ROUTES[0] else _spread([acc[s] - base[s] for s in both], "+.4f").replace("not yet run", "–"),
+                     _spread(mix("routes_in_use"), ".1f").replace("not yet run", "–"),
+                     _spread(mix("entropy_bits"), ".2f").replace("not yet run", "–"), f"{math.log2(M):.0f}",
+                     _spread(mix("mutual_information_bits"), ".3f").replace("not yet run", "–"), len(g.results)))
+    cols = ["parameters", "test accuracy", f"minus M = {UNIT_ROUTES[0]} (same seed)", "routes in use",
+            "routing entropy (bits)", "log2 M (bits)", "I(route; class) (bits)", "seeds"]
+    return pd.DataFrame(rows, columns=["routes", *cols]).set_index("routes")
+
+
+def ablation_frame(groups):
+    """The ablations at paper scale: per variant, mean ± SD over the seeds run, on the validation digits."""
+    import pandas as pd
+
+    rows = []
+    for v, g in zip(sr.VARIANTS, groups):
+        m = lambda k: [r["metrics"][k] for r in g.results]   # noqa: E731
+        cells = [_spread(m("entropy_drop_epoch1_bits"), ".2f"), _spread(m("final_val_entropy_bits"), ".2f"),
+                 _spread(m("final_val_mutual_information_bits"), ".3f"), _spread(m("test_accuracy"), ".4f")]
+        if g.results:
+            cells = [c if c != "not yet run" else "–" for c in cells]
+        else:
+            cells = ["not yet run"] + ["–"] * 3
+        rows.append((v, *cells, len(g.results)))
+    return pd.DataFrame(rows, columns=["variant", "entropy lost in epoch 1 (bits)", "final entropy (bits)",
+                                       "final I(route; class) (bits)", "test accuracy", "seeds"]).set_index("variant")
+
+
+def _curves(result: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Epochs (0 = initialisation), routing entropy and mutual information on the validation digits."""
+    m, h = result["metrics"], result["history"]
+    H = np.array([m["initial"]["entropy_bits"], *h["val_entropy"]])
+    MI = np.array([m["initial"]["mutual_information_bits"], *h["val_mi"]])
+    return np.arange(len(H)), H, MI
+
+
+def draw_mixing(result: dict):
+    """Mean routing weight per class and route on the validation digits, at initialisation and after
+    epochs 1, 2, 5 and the last, from a ``03/routes`` result."""
+    from .units import decode_array
+
+    usage = decode_array(result["arrays"]["usage_by_epoch"])
+    last = len(usage) - 1
+    shown = sorted({e for e in (1, 2, 5, last) if 1 <= e <= last})
+    return route_heatmaps([usage[0]] + [usage[e] for e in shown],
+                          ["initialisation"] + [f"after epoch {e}" for e in shown],
+                          xlabel="route $j$", ylabel="class $c$", cbar_label="mean $r(j)$",
+                          suptitle=f"Mean $r(j)$ per class, $M = {result['metrics']['routes']}$ (validation digits)")
+
+
+def draw_mixing_curves(result: dict):
+    """Routing entropy (against its ceiling log2 M) and route-class mutual information over the epochs
+    of a ``03/routes`` result."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    ep, H, MI = _curves(result)
+    M = result["metrics"]["routes"]
+    fig, axes = plt.subplots(1, 2, figsize=(COLUMN_IN, 3.2), layout="constrained")
+    axes[0].plot(ep, H, "o-", ms=2)
+    axes[0].axhline(math.log2(M), color="gray", ls="--", lw=0.8, label="$\\log_2 M$")
+    axes[0].set_ylabel("$H(q)$ (bits)")
+    axes[0].legend(fontsize=9)
+    axes[1].plot(ep, MI, "o-", ms=2, color="C1")
+    axes[1].set_ylabel("$I(j;\\,c)$ (bits)")
+    for ax in axes:
+        ax.set_xlabel("epoch (0 = initialisation)")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Routing entropy and route–class information, $M = {M}$ (validation digits)", fontsize=10)
+    return fig
+
+
+def draw_bridge(result: dict):
+    """Route shares per class on the test digits: the learned gate's q(j) beside the agreement couplings'
+    mean over the patches, from a ``03/routes`` result with two routes or more."""
+    from .units import decode_array
+
+    a = result["arrays"]
+    n = result["metrics"]["bridge"]["patches"]
+    return route_heatmaps([decode_array(a["learned_share_by_class"]), decode_array(a["agreement_share_by_class"])],
+                          ["learned gate:\n$q(j) = r(j) / \\sum_k r(k)$", f"agreement:\n$\\frac{{1}}{{{n}}}\\sum_i c_{{ij}}$"],
+                          xlabel="route $j$", ylabel="class $c$", cbar_label="mean share",
+                          suptitle=f"Route shares per class, $M = {result['metrics']['routes']}$ (test digits)")
+
+
+def draw_routes(groups):
+    """Test accuracy against the parameters of M routes (each seed a point, the mean over seeds a line),
+    and the routing entropy on the test digits against its ceiling log2 M."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    fig, axes = plt.subplots(1, 2, figsize=(COLUMN_IN, 3.4), layout="constrained")
+    params, means, Ms, H, MI = [], [], [], [], []
+    for M, g in zip(UNIT_ROUTES, groups):
+        if not g.results:
+            continue
+        acc = [r["metrics"]["test_accuracy"] for r in g.results]
+        p = g.results[0]["metrics"]["params"]
+        axes[0].scatter([p] * len(acc), acc, s=12, color="gray", alpha=0.6, zorder=3)
+        params.append(p)
+        means.append(float(np.mean(acc)))
+        Ms.append(M)
+        H.append(float(np.mean([r["metrics"]["test_mixing"]["entropy_bits"] for r in g.results])))
+        MI.append(float(np.mean([r["metrics"]["test_mixing"]["mutual_information_bits"] for r in g.results])))
+    if not Ms:
+        raise ValueError("draw_routes needs at least one result of the route comparison")
+    axes[0].plot(params, means, "o-", label="mean over seeds")
+    for p, m, M in zip(params, means, Ms):
+        axes[0].annotate(f"$M={M}$", (p, m), textcoords="offset points", xytext=(4, 4), fontsize=9)
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("parameters")
+    axes[0].set_ylabel("test accuracy")
+    axes[0].legend(fontsize=9, loc="lower right")
+    grid = np.array(UNIT_ROUTES)
+    axes[1].plot(grid, np.log2(grid), "--", color="gray", lw=0.8, label="$\\log_2 M$")
+    axes[1].plot(Ms, H, "o-", label="$H(q)$")
+    axes[1].plot(Ms, MI, "s-", label="$I(j;\\,c)$")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xticks(grid, [str(M) for M in grid])
+    axes[1].set_xlabel("routes $M$")
+    axes[1].set_ylabel("bits (test digits)")
+    axes[1].legend(fontsize=9)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def draw_ablation(groups):
+    """Routing entropy and route-class mutual information over the epochs for each variant with results:
+    mean over its seeds, the band from the lowest to the highest seed."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    fig, axes = plt.subplots(1, 2, figsize=(COLUMN_IN, 3.8), layout="constrained")
+    drawn = 0
+    for k, (v, g) in enumerate(zip(sr.VARIANTS, groups)):
+        if not g.results:
+            continue
+        curves = [_curves(r) for r in g.results]
+        ep = curves[0][0]
+        for ax, i in zip(axes, (1, 2)):
+            c = np.array([cv[i] for cv in curves])
+            ax.plot(ep, c.mean(0), "-", color=f"C{k}", label=f"{ABLATION_LABELS[v]} ({len(curves)} seed{'s' * (len(curves) > 1)})")
+            ax.fill_between(ep, c.min(0), c.max(0), color=f"C{k}", alpha=0.15)
+        drawn += 1
+    if not drawn:
+        raise ValueError("draw_ablation needs at least one result of the ablations")
+    axes[0].axhline(math.log2(UNIT_MAIN_ROUTES), color="gray", ls="--", lw=0.8)
+    axes[0].set_ylabel("$H(q)$ (bits)")
+    axes[1].set_ylabel("$I(j;\\,c)$ (bits)")
+    for ax in axes:
+        ax.set_xlabel("epoch (0 = initialisation)")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=9)
+    return fig

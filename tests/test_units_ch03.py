@@ -1,0 +1,119 @@
+"""Chapter 3's experiment units (capslib.book.ch03): their projection, their training against the
+chapter's hand-coded descent, and the write -> load -> view path at smoke size on the CPU."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from capslib import data
+from capslib import soft_routing as sr
+from capslib.book import ch03
+from capslib.book import units as U
+
+SMOKE_KEYS = ("03/routes/M4/s0", "03/routes/M1/s0", "03/ablation/slides/s0", "03/ablation/no-r-in-eta/s0")
+
+
+def test_every_chapter3_unit_is_declared_and_projected_within_eight_minutes():
+    units = U.all_units("03")
+    keys = {u.key for u in units}
+    assert len(units) == len(ch03.UNIT_ROUTES) * len(ch03.UNIT_SEEDS) + len(sr.VARIANTS) * len(ch03.ABLATION_SEEDS)
+    assert {f"03/routes/M{M}/s{s}" for M in (1, 2, 4, 8) for s in range(5)} <= keys
+    assert {f"03/ablation/{ch03.VARIANT_NAMES[v]}/s4" for v in sr.VARIANTS} <= keys
+    for u in units:
+        assert U.projected_seconds(u) <= 8 * 60, u.key
+        assert u.images == u.config["epochs"] * u.config["train_images"], u.key
+    # the main network's first seed runs first, every seed 0 before any seed 1
+    assert units[0].key == "03/routes/M4/s0"
+    assert max(u.priority for u in units if u.seed == 0) < min(u.priority for u in units if u.seed == 1)
+    # no rate measured for this network yet: the projection is the assumed one, and says so
+    assert U.rate_of(ch03.UNIT_FAMILY)[1] in ("assumed", "measured")
+
+
+def test_unit_training_is_the_chapters_hand_coded_descent():
+    """``unit_fit`` (autograd, SGD in capslib.train.fit) takes the same steps as the chapter's
+    ``train_gd`` (the hand-written gradients) from the same start: same weights after two epochs."""
+    unit = U.get("03/routes/M2/s1")
+    g = torch.Generator().manual_seed(0)
+    x = sr.with_bias(torch.rand(120, 1, 28, 28, generator=g, dtype=torch.float64))
+    y = torch.randint(0, 10, (120,), generator=g)
+    a, b = ch03.unit_net(unit), ch03.unit_net(unit)
+    ch03.unit_fit(unit, a, data.Split(x, y), 2, progress=False)
+    sr.train_gd(b, x, y, epochs=2, batch_size=unit.config["batch_size"], lr=unit.config["lr"], seed=unit.seed,
+                progress=False)
+    assert not torch.equal(a.P, ch03.unit_net(unit).P)          # it trained
+    torch.testing.assert_close(a.R, b.R, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(a.P, b.P, rtol=1e-9, atol=1e-12)
+
+
+def test_probe_sees_what_each_unit_computes():
+    p = {k: U.probe_values(U.get(k)) for k in ("03/routes/M4/s0", "03/routes/M4/s3", "03/routes/M8/s0",
+                                               "03/ablation/slides/s0", "03/ablation/no-r-in-eta/s0")}
+    assert p["03/routes/M4/s0"] == p["03/routes/M4/s3"] == p["03/ablation/slides/s0"]   # the same step
+    assert U.fingerprint(U.get("03/routes/M4/s0")) != U.fingerprint(U.get("03/ablation/slides/s0"))  # float64 / 32
+    assert not U.probe_agrees(p["03/routes/M8/s0"], p["03/routes/M4/s0"])
+    # removing r(j) from the routes' error keeps the energy and changes the routes' gradient
+    slides, nor = p["03/ablation/slides/s0"], p["03/ablation/no-r-in-eta/s0"]
+    assert nor["energy"] == slides["energy"] and not math.isclose(nor["grad:P"], slides["grad:P"], rel_tol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def smoke_root(tmp_path_factory):
+    """Smoke runs of two route counts and two ablations, made once: their results folder."""
+    root = tmp_path_factory.mktemp("units03")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(U, "RESULTS_ROOT", root)
+        for key in SMOKE_KEYS:
+            U.execute(U.get(key), device="cpu", smoke=True)
+    return root
+
+
+def test_smoke_results_hold_what_the_views_need(smoke_root, monkeypatch):
+    monkeypatch.setattr(U, "RESULTS_ROOT", smoke_root)
+    epochs = ch03.UNIT_SMOKE["epochs"]
+    for key in SMOKE_KEYS:
+        st, res = U.state(U.get(key), smoke=True)
+        assert st == "done" and res["smoke"], key
+        m, h = res["metrics"], res["history"]
+        assert 0 <= m["test_accuracy"] <= 1 and m["test_images"] == ch03.UNIT_SMOKE["test"]
+        assert len(h["val_entropy"]) == len(h["val_mi"]) == len(h["energy_per_digit"]) == epochs
+        for H in [m["initial"]["entropy_bits"], *h["val_entropy"], m["test_mixing"]["entropy_bits"]]:
+            assert -1e-9 <= H <= math.log2(m["routes"]) + 1e-9
+        usage = U.decode_array(res["arrays"]["usage_by_epoch"])
+        assert usage.shape == (epochs + 1, 10, m["routes"]) and ((usage > 0) & (usage < 1)).all()
+    main = U.load("03/routes/M4/s0", smoke=True)
+    c = U.decode_array(main["arrays"]["couplings_digit0"])
+    assert c.shape == (3, 17, 4) and np.allclose(c.sum(-1), 1, atol=1e-5)       # softmax over the routes
+    assert np.allclose(c[0], 0.25)                                               # the first iteration is uniform
+    b = main["metrics"]["bridge"]
+    assert 0 <= b["same_top"] <= 1 and -1 <= b["pooled_correlation"] <= 1
+    assert main["metrics"]["gradient_shares"]["gap_initial"] < main["metrics"]["gradient_shares"]["gap_trained"]
+    assert "bridge" not in U.load("03/routes/M1/s0", smoke=True)["metrics"]   # one route: nothing to route
+
+
+def test_paper_scale_views_from_smoke_results(smoke_root, monkeypatch):
+    """Write -> load -> view: the tables and every figure of the chapter's paper-scale section from the
+    smoke results, the runs not made named in the banner, "not yet run" where a row has none."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(U, "RESULTS_ROOT", smoke_root)
+    rg, ag = ch03.routes_groups(smoke=True), ch03.ablation_groups(smoke=True)
+    frame = ch03.routes_frame(rg)
+    main = U.load("03/routes/M4/s0", smoke=True)["metrics"]
+    assert frame.loc["M = 4", "test accuracy"] == f"{main['test_accuracy']:.4f}" and frame.loc["M = 4", "seeds"] == 1
+    assert frame.loc["M = 8", "test accuracy"] == "not yet run" and frame.loc["M = 8", "seeds"] == 0
+    one = U.load("03/routes/M1/s0", smoke=True)["metrics"]["test_accuracy"]
+    assert frame.loc["M = 4", "minus M = 1 (same seed)"] == f"{main['test_accuracy'] - one:+.4f}"
+    assert frame.loc["M = 8", "parameters"] == sum(p.numel() for p in ch03.unit_net(U.get("03/routes/M8/s0")).parameters())
+    abl = ch03.ablation_frame(ag)
+    assert abl.loc["slides", "seeds"] == 1 and abl.loc["softmax gate", "entropy lost in epoch 1 (bits)"] == "not yet run"
+    text = U.banner(rg + ag)
+    assert "1 of 5 seeds run" in text and "M = 8 routes (0 of 5" in text and "03/" not in text
+    figs = [ch03.draw_mixing(rg[2].results[0]), ch03.draw_mixing_curves(rg[2].results[0]),
+            ch03.draw_bridge(rg[2].results[0]), ch03.draw_routes(rg), ch03.draw_ablation(ag)]
+    assert all(f.axes for f in figs)
+    plt.close("all")
+    with pytest.raises(ValueError, match="at least one"):
+        ch03.draw_routes([U.Group("x", "x", [], ["k"], []) for _ in ch03.UNIT_ROUTES])

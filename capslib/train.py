@@ -1,19 +1,15 @@
 """Training loops on device tensors, with progress bars, epoch timing and resumable checkpoints.
 
 Data stays on the device as tensors; batches are index slices of a seeded
-permutation, so there is no DataLoader or per-sample Python work.
-Checkpoints are written atomically (temporary file, then ``os.replace``) and
-read with ``torch.load(..., weights_only=True)``. Each one carries the fingerprint of the
-run that wrote it (:func:`run_fingerprint`): a run resumes only a checkpoint of its own
-configuration; any other is moved aside (kept, never overwritten) and the run starts over.
+permutation, so there is no DataLoader or per-sample Python work. Each step is
+:func:`capslib.steps.train_step`; ``fit(..., fast=...)`` runs it with static batch shapes, fused Adam
+and, on CUDA, captured in a CUDA graph (:mod:`capslib.steps`). Checkpoints
+(:mod:`capslib.checkpoints`) carry the fingerprint of the run that wrote them: a run resumes only a
+checkpoint of its own configuration. Data-parallel training under ``torchrun`` is
+:mod:`capslib.distributed`.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import importlib
-import inspect
-import json
 import math
 import os
 import time
@@ -23,7 +19,14 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from . import steps as _steps
+from .checkpoints import (  # noqa: F401  (re-exported: callers use capslib.train.<name>)
+    fingerprint_difference, load_checkpoint, resumable, run_fingerprint, save_checkpoint,
+)
 from .data import DATA_DIR, Split
+from .distributed import (  # noqa: F401  (re-exported)
+    broadcast_parameters, distributed_ranks, init_distributed, sum_gradients, sum_over_ranks,
+)
 
 try:
     from tqdm.auto import tqdm
@@ -40,181 +43,6 @@ def checkpoint_path(name: str, profile: str | None = None) -> Path:
     root = os.environ.get("CAPSBOOK_CHECKPOINTS", "").strip()
     return (Path(root) if root else DATA_DIR / "checkpoints") / (profile or switches.storage_name()) / f"{name}.pt"
 
-
-def save_checkpoint(path: str | Path, state: dict) -> None:
-    """Write ``state`` atomically: a crash mid-write never leaves a broken checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str | Path, map_location=None) -> dict:
-    return torch.load(Path(path), map_location=map_location, weights_only=True)
-
-
-# ----------------------------------------------------------------------------- run fingerprints
-
-# capslib modules whose code decides what any training computes
-_CORE_MODULES = ("capslib.ops", "capslib.routing", "capslib.layers", "capslib.train")
-
-
-def _sha(*chunks: bytes) -> str:
-    h = hashlib.sha1()
-    for c in chunks:
-        h.update(c)
-    return h.hexdigest()[:12]
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    return str((tuple(t.shape), str(t.dtype))).encode() + t.view(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _state_digest(model: nn.Module) -> str:
-    """Digest of the model's state (parameter and buffer names, shapes and values)."""
-    parts = []
-    for k, v in model.state_dict().items():
-        parts.append(k.encode())
-        parts.append(_tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
-    return _sha(*parts)
-
-
-def _data_digest(split: Split, sample: int = 1024) -> dict:
-    """Size, shape and a digest of ``sample`` evenly strided images and every label."""
-    n = len(split)
-    stride = max(1, n // sample)
-    return {"n": n, "shape": list(split.x.shape[1:]),
-            "digest": _sha(_tensor_bytes(split.x[::stride]), _tensor_bytes(split.y))}
-
-
-def _plain_value(v):
-    if isinstance(v, (bool, int, str)) or v is None:
-        return v
-    if isinstance(v, float):
-        return float(f"{v:.10g}")
-    if isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float, str)) for x in v):
-        return [_plain_value(x) for x in v]
-    return None
-
-
-def _describe_callable(f) -> str | None:
-    """A callable by name, with the simple numbers and strings it carries (closure cells,
-    attributes of the object it belongs to): a changed margin or lambda changes the key."""
-    if f is None:
-        return None
-    owner = getattr(f, "__self__", None)
-    if owner is not None:  # a bound method: its object's settings
-        return f"{type(owner).__qualname__}.{f.__name__}" + _describe_attrs(owner)
-    if inspect.isfunction(f):
-        cells = {}
-        for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
-            try:
-                v = _plain_value(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-            if v is not None:
-                cells[name] = v
-        return f.__qualname__ + (json.dumps(cells, sort_keys=True) if cells else "")
-    return type(f).__qualname__ + _describe_attrs(f)
-
-
-def _describe_attrs(obj) -> str:
-    attrs = {k: _plain_value(v) for k, v in sorted(vars(obj).items()) if not k.startswith("_")} \
-        if hasattr(obj, "__dict__") else {}
-    attrs = {k: v for k, v in attrs.items() if v is not None}
-    return json.dumps(attrs, sort_keys=True) if attrs else ""
-
-
-def _module_of(obj) -> str | None:
-    mod = getattr(getattr(obj, "__func__", obj), "__module__", None) or type(obj).__module__
-    return mod if mod and mod.startswith("capslib") else None
-
-
-def _code_digest(objects) -> str:
-    """Digest of the source of the capslib modules that define ``objects`` and of the core ones."""
-    names = set(_CORE_MODULES)
-    for o in objects:
-        m = _module_of(o)
-        if m:
-            names.add(m)
-    parts = []
-    for name in sorted(names):
-        mod = importlib.import_module(name)
-        try:
-            parts.append(name.encode() + Path(inspect.getsourcefile(mod)).read_bytes())
-        except (TypeError, OSError):  # no source file (frozen): its name alone
-            parts.append(name.encode())
-    return _sha(*parts)
-
-
-def run_fingerprint(model: nn.Module, train: Split, optimizer: torch.optim.Optimizer, *, loss_fn: Callable,
-                    batch_size: int, lr_decay: float | None, seed: int, amp: bool,
-                    before_step: Callable | None = None, on_epoch_end: Callable | None = None,
-                    config: dict | None = None, augment: Callable | None = None) -> dict:
-    """What decides a training run, epochs apart (a longer run of the same configuration
-    continues a shorter one): the model's class and starting state (which covers its sizes,
-    its seed and any warm start), optimiser and its settings, batch size, learning-rate decay,
-    permutation seed, autocast, the training data, the loss and hooks (with the numbers they
-    carry), ``config`` (anything else the caller names), the capslib code that computes the
-    training and the torch version."""
-    groups = [{k: _plain_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    opt = {"type": type(optimizer).__qualname__, **(groups[0] if len(groups) == 1 else
-                                                     {f"group{i}": g for i, g in enumerate(groups)})}
-    return {
-        # the repr names what the state does not (routing iterations, a detach flag, a schedule)
-        "model": f"{type(model).__qualname__}:{_state_digest(model)}:{_sha(repr(model).encode())[:12]}",
-        "optimizer": opt,
-        "batch_size": batch_size,
-        "lr_decay": _plain_value(lr_decay),
-        "seed": seed,
-        "amp": bool(amp),
-        "train": _data_digest(train),
-        "loss": _describe_callable(loss_fn),
-        "before_step": _describe_callable(before_step),
-        "on_epoch_end": _describe_callable(on_epoch_end),
-        **({"augment": _describe_callable(augment)} if augment is not None else {}),
-        "config": json.loads(json.dumps(config, sort_keys=True, default=str)) if config else None,
-        "code": _code_digest([model, *model.modules(), loss_fn, before_step, on_epoch_end, augment]),
-        "torch": str(torch.__version__),
-    }
-
-
-def _short(v, width: int = 28) -> str:
-    s = json.dumps(v, sort_keys=True) if not isinstance(v, str) else v
-    return s if len(s) <= width else s[:width - 3] + "..."
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def fingerprint_difference(old: dict | None, new: dict) -> str:
-    """One phrase naming the fields in which two fingerprints differ (old -> new)."""
-    if not old:
-        return "it carries no configuration (written before checkpoints were keyed)"
-    a, b = _flatten(old), _flatten(new)
-    keys = [k for k in b if a.get(k) != b[k]] + [k for k in a if k not in b]
-    return "differs in " + "; ".join(f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in keys)
-
-
-def _set_aside(path: Path) -> Path:
-    """Rename a checkpoint that this run will not resume, so that nothing trained is lost."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-    aside = path.with_name(f"{path.stem}.stale-{stamp}{path.suffix}")
-    k = 1
-    while aside.exists():
-        aside = path.with_name(f"{path.stem}.stale-{stamp}-{k}{path.suffix}")
-        k += 1
-    os.replace(path, aside)
-    return aside
 
 
 class TimeLimitReached(RuntimeError):
@@ -242,9 +70,8 @@ def scores_of(out) -> torch.Tensor:
 
 
 def _autocast(device: torch.device, amp: bool):
-    if amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return _steps.autocast(device, amp)
+
 
 
 @torch.no_grad()
@@ -292,6 +119,7 @@ def fit(
     compile: bool | None = None,
     compile_backend: str = "inductor",
     augment: Callable | None = None,
+    fast: bool | str | None = None,
 ) -> dict:
     """Train ``model`` for ``epochs`` epochs; resume from ``checkpoint`` if it exists.
 
@@ -302,7 +130,8 @@ def fit(
         before_step: ``before_step(model, optimizer)`` after ``backward`` and before the
             step (gradient surgery, e.g. chapter 6's sensitivity regulariser).
         on_epoch_end: ``on_epoch_end(epoch, model, history)`` after each epoch; may add
-            its own lists to ``history`` (they are saved in the checkpoint).
+            its own lists to ``history`` (they are saved in the checkpoint). It may change weights
+            in place, never replace the model's tensors (a captured step keeps using them).
         stop_when: ``stop_when(history) -> bool``, asked after each epoch (once its checkpoint is
             written) and after a resume: True ends the run before ``epochs`` (e.g. a baseline trained
             until its validation accuracy reaches a target). A resumed history that already satisfies
@@ -315,6 +144,14 @@ def fit(
         augment: ``augment(x) -> x`` applied to every training batch before the forward pass (e.g.
             :class:`capslib.data.RandomShift`, the paper's shifts); it joins the fingerprint.
         seed: seeds the minibatch permutations (default: the run's seed, :func:`capslib.switches.default_seed`).
+        fast: the fast training step (:mod:`capslib.steps`). Off by default (``None`` reads
+            ``$CAPSBOOK_FAST``, unset: off), so every ``ci`` number is made by the eager step.
+            ``"static"``: every step ``batch_size`` images (the permutation's last partial batch is
+            dropped; ``history["images_seen"]`` counts each epoch's images) and, when ``fit`` makes the
+            optimizer, fused Adam. ``True`` (or ``"graph"``): that, and on CUDA the whole step captured
+            in a CUDA graph and replayed per batch. With ``before_step`` or under ``torchrun`` the eager
+            step runs instead; ``history["step_path"]`` says which path ran (``"eager"``, ``"static"``,
+            ``"graphed"``) and ``history["step_path_reason"]`` why it is not the one asked for.
         Time limit: with ``$CAPSBOOK_TIME_LIMIT`` set and a ``checkpoint``, a run that has used up
             that many seconds since ``capslib.book.setup()`` raises :class:`TimeLimitReached` after
             writing the checkpoint of the epoch it just finished; calling it again resumes there.
@@ -330,7 +167,9 @@ def fit(
 
     Returns:
         ``history``: lists ``loss``, ``train_acc``, ``val_acc``, ``seconds``,
-        ``images_per_s`` (one entry per epoch) and any lists ``on_epoch_end`` added.
+        ``images_per_s`` (one entry per epoch) and any lists ``on_epoch_end`` added; with ``fast``
+        asked for, also ``images_seen`` (per epoch), ``step_path`` and, where it applies,
+        ``step_path_reason``.
     """
     if not isinstance(train, Split):
         raise TypeError(f"train must be a capslib.data.Split; got {type(train).__name__}")
@@ -342,10 +181,17 @@ def fit(
     amp = device.type == "cuda" if amp is None else amp
     from . import switches
     step_model = model
-    if switches.compile_requested() if compile is None else compile:
+    compiled = switches.compile_requested() if compile is None else compile
+    if compiled:
         step_model = torch.compile(model, backend=compile_backend)
-    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
+    ranks = distributed_ranks()
+    plan = _steps.plan(fast, device, distributed=ranks is not None, before_step=before_step is not None,
+                       compiled=bool(compiled))
+    if optimizer is None:
+        optimizer = _steps.adam(model.parameters(), lr, device, plan) if plan.static else \
+            torch.optim.Adam(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, lr_decay) if lr_decay else None
+    _steps.check_capturable(plan, optimizer, scheduled=scheduler is not None)
     if seed is None:
         seed = switches.default_seed()
     history: dict = {"loss": [], "train_acc": [], "val_acc": [], "seconds": [], "images_per_s": []}
@@ -354,8 +200,9 @@ def fit(
     if checkpoint is not None:
         fingerprint = run_fingerprint(model, train, optimizer, loss_fn=loss_fn, batch_size=batch_size,
                                       lr_decay=lr_decay, seed=seed, amp=amp, before_step=before_step,
-                                      on_epoch_end=on_epoch_end, config=config, augment=augment)
-        state, source = _resumable(Path(checkpoint), start_from, fingerprint, epochs, device)
+                                      on_epoch_end=on_epoch_end, config=config, augment=augment,
+                                      static_batches=plan.static)
+        state, source = resumable(Path(checkpoint), start_from, fingerprint, epochs, device)
         if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -382,13 +229,25 @@ def fit(
     for _ in range(start):  # keep the permutation sequence identical on resume
         torch.randperm(len(train), generator=gen)
     n = len(train)
-    steps = math.ceil(n / batch_size)
-    ranks = distributed_ranks()
+    steps = _steps.static_steps(n, batch_size) if plan.static else math.ceil(n / batch_size)
     if ranks is not None:
-        _broadcast_parameters(model)
+        broadcast_parameters(model)
         # each rank its own random stream for what a step draws (dropout masks), not the same masks W times
         torch.manual_seed(seed * 1009 + ranks[0])
         limit = None   # a time limit would stop one rank between collectives: not under torchrun
+    eager_context = lambda: _autocast(device, amp)  # noqa: E731
+    reduce = (lambda: sum_gradients(model)) if ranks is not None else None  # noqa: E731
+    runner = None
+    if plan.static:   # the fast path: one step function, run as it is or through a captured graph
+        fast_sums = _steps.StepSums(device)   # the same tensors every epoch (a captured step adds into them)
+        context = lambda: _steps.autocast(device, amp, cache=plan.path != "graphed")  # noqa: E731
+
+        def step(xb, yb):
+            return _steps.train_step(step_model, loss_fn, optimizer, xb, yb, fast_sums, amp_context=context)
+        runner = _steps.GraphedSteps(step, plan.backend, optimizer) if plan.path == "graphed" else \
+            _steps.EagerSteps(step, plan.path)
+    if plan.mode is not None:
+        history.setdefault("images_seen", [])
     for epoch in range(start, epochs):
         model.train()
         perm = torch.randperm(n, generator=gen).to(device)
@@ -396,9 +255,11 @@ def fit(
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         # running sums stay on the device: no host sync per step
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        if runner is not None:
+            sums = fast_sums
+            sums.zero_()
+        else:
+            sums = _steps.StepSums(device)
         seen = 0
         bar = tqdm(range(steps), desc=f"{desc} {epoch + 1}/{epochs}", leave=False,
                    disable=not progress or tqdm is None or not switches.progress_bars(), mininterval=1.0)
@@ -407,32 +268,23 @@ def fit(
             xb, yb = train.x[idx], train.y[idx]
             if augment is not None:
                 xb = augment(xb)
-            share = 1.0
+            if runner is not None:
+                runner(xb, yb)
+                seen += len(yb)
+                continue
+            share = None
             if ranks is not None:   # data parallel: this rank's shard of the global batch
                 shard = slice(ranks[0], None, ranks[1])
                 share = len(yb[shard]) / len(yb)   # a rank's batch mean weighs its share of the global mean
                 # a last batch smaller than the number of ranks leaves some rank nothing: it runs one image
                 # at weight 0, so that every rank's gradients have the same structure for the sum
                 xb, yb = (xb[shard], yb[shard]) if share > 0 else (xb[:1], yb[:1])
-            with _autocast(device, amp):
-                loss, scores = loss_fn(step_model, xb, yb)
-            loss_d = loss.detach()
-            optimizer.zero_grad(set_to_none=True)
-            (loss * share if ranks is not None else loss).backward()
-            if share > 0:
-                nonfinite += (~torch.isfinite(loss_d)).long()
-                total += loss_d.double() * len(yb)
-                correct += (scores.detach().argmax(dim=1) == yb).sum()
-            else:
-                yb = yb[:0]
-            if ranks is not None:
-                _sum_gradients(model)
-            if before_step is not None:
-                before_step(model, optimizer)
-            optimizer.step()
-            seen += len(yb)
+            _steps.train_step(step_model, loss_fn, optimizer, xb, yb, sums, amp_context=eager_context, share=share,
+                              reduce_gradients=reduce, before_step=before_step, plain_model=model)
+            seen += len(yb) if share is None or share > 0 else 0
+        total, correct, nonfinite = sums.total, sums.correct, sums.nonfinite
         if ranks is not None:
-            total, correct, nonfinite, seen = _sum_over_ranks(total, correct, nonfinite, seen)
+            total, correct, nonfinite, seen = sum_over_ranks(total, correct, nonfinite, seen)
         if device.type == "cuda":
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
@@ -441,11 +293,19 @@ def fit(
             history["nonfinite_steps"] = history.get("nonfinite_steps", 0) + int(nonfinite)
         if scheduler is not None:
             scheduler.step()
+            if runner is not None:
+                runner.after_lr_change()
         history["loss"].append(total / seen)
         history["train_acc"].append(correct / seen)
         history["val_acc"].append(evaluate(model, val, batch_size=eval_batch_size, predict=predict, amp=amp) if val is not None else float("nan"))
         history["seconds"].append(secs)
         history["images_per_s"].append(seen / secs)
+        if plan.mode is not None:
+            history["images_seen"].append(seen)
+            history["step_path"] = runner.path if runner is not None else "eager"
+            reason = (runner.reason if runner is not None else None) or plan.reason
+            if reason:
+                history["step_path_reason"] = reason
         if on_epoch_end is not None:
             on_epoch_end(epoch, model, history)
         if progress and (ranks is None or ranks[0] == 0):
@@ -466,106 +326,6 @@ def fit(
         if stop_when is not None and stop_when(history):
             break
     return history
-
-
-# ----------------------------------------------------------------------------- data parallel (torchrun)
-
-def distributed_ranks() -> tuple[int, int] | None:
-    """``(rank, world size)`` when :func:`fit` runs data-parallel: a ``torch.distributed`` process group
-    of more than one process is initialised (``torchrun`` sets it up; :func:`init_distributed`). None
-    otherwise.
-
-    Under it every rank holds the whole training set and draws the same seeded permutation; each global
-    batch (``batch_size`` images, augmented as one batch) is split by striding, rank ``r`` taking images
-    ``r, r + W, ...``; each rank's batch-mean loss is weighted by its share of the batch and the
-    gradients are summed over the ranks, so every rank takes the step one process would take on the
-    global batch (up to the order of floating-point sums). Losses, accuracies and image counts are
-    summed over ranks; rank 0 alone prints and writes checkpoints. Every rank must run the same code
-    path (the same parameters receive gradients on each), and ``$CAPSBOOK_TIME_LIMIT`` is not applied.
-    Dropout and other random draws inside a step use a stream of each rank's own."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank(), dist.get_world_size()
-    return None
-
-
-def init_distributed() -> torch.device:
-    """Join the process group ``torchrun`` describes (``$WORLD_SIZE`` > 1; NCCL on CUDA, gloo on the
-    CPU) and return this rank's device; without ``torchrun``, the default device and no group."""
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cpu")
-    if cuda:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return dev
-
-
-def _broadcast_parameters(model: nn.Module) -> None:
-    import torch.distributed as dist
-
-    for t in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(t.data, src=0)
-
-
-def _sum_gradients(model: nn.Module) -> None:
-    import torch.distributed as dist
-
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-
-
-def _sum_over_ranks(total, correct, nonfinite, seen: int):
-    import torch.distributed as dist
-
-    t = torch.stack([total.double(), correct.double(), nonfinite.double(),
-                     torch.tensor(float(seen), dtype=torch.float64, device=total.device)])
-    dist.all_reduce(t)
-    return t[0], t[1].long(), t[2].long(), int(t[3])
-
-
-def _resumable(path: Path, start_from, fingerprint: dict, epochs: int, device) -> tuple[dict | None, Path]:
-    """The checkpoint state this run continues (or None) and the file it came from.
-
-    ``path`` is resumed when its fingerprint matches and it holds at most ``epochs`` epochs;
-    a mismatching ``path`` is set aside with one printed line. Without a usable ``path``,
-    the matching ``start_from`` file with the most epochs (at most ``epochs``) is continued.
-    """
-    if path.exists():
-        try:
-            state = load_checkpoint(path, map_location=device)
-        except Exception as err:  # noqa: BLE001 - truncated, foreign or unsafe files alike are not resumed
-            state, why = None, f"it cannot be read ({type(err).__name__})"
-        else:
-            old = state.get("fingerprint") if isinstance(state, dict) else None
-            trained = int(state.get("epoch", 0)) if isinstance(state, dict) else 0
-            if old == fingerprint and trained <= epochs:
-                return state, path
-            why = (f"it holds {trained} epochs and this run asks for {epochs}" if old == fingerprint
-                   else fingerprint_difference(old, fingerprint))
-        aside = _set_aside(path)
-        print(f"not resuming {path.name}: {why}; kept as {aside.name}, training from scratch")
-    if start_from is None:
-        return None, path
-    starts = [start_from] if isinstance(start_from, (str, Path)) else list(start_from)
-    best = None
-    for p in map(Path, starts):
-        if not p.exists():
-            continue
-        try:
-            state = load_checkpoint(p, map_location=device)
-        except Exception:  # noqa: BLE001 - an unreadable start is not continued
-            continue
-        if state.get("fingerprint") == fingerprint and int(state["epoch"]) <= epochs:
-            if best is None or int(state["epoch"]) > int(best[0]["epoch"]):
-                best = (state, p)
-    return best if best is not None else (None, path)
 
 
 def seconds_per_epoch(history: dict) -> float:

@@ -359,7 +359,7 @@ def test_tagged_runs_keep_their_files_apart(monkeypatch):
 
 _SHORT_CH2_RUN = r"""
 import json, torch, capslib
-from capslib import data, models, train
+from capslib import checkpoints, data, models, train
 from capslib.book import profiles
 sess = capslib.book.setup(quiet=True)
 cfg = profiles.settings("02_dynamic_routing", "ci")
@@ -373,7 +373,7 @@ def step(model, x, y):
 h = train.fit(net, splits["train"].subset(320), step, epochs=2, batch_size=cfg.batch_size, lr=cfg.lr,
               lr_decay=cfg.lr_decay, val=splits["val"], progress=False)
 print(json.dumps({"loss": h["loss"], "val_acc": h["val_acc"], "test_acc": train.evaluate(net, splits["test"]),
-                  "weights": train._state_digest(net), "threads": torch.get_num_threads()}))
+                  "weights": checkpoints._state_digest(net), "threads": torch.get_num_threads()}))
 """
 
 

@@ -112,7 +112,9 @@ def requested(fast) -> str | None:
     """``fit``'s ``fast`` as a mode: None (off), ``"static"`` or ``"graph"``. ``None`` reads
     ``$CAPSBOOK_FAST`` (unset: off); ``True`` means ``"graph"``, ``False`` off."""
     if fast is None:
-        fast = os.environ.get(FAST_ENV, "").strip().lower() or False
+        fast = os.environ.get(FAST_ENV, "").strip() or False
+    if isinstance(fast, str):
+        fast = fast.strip().lower()
     if fast is False or fast in ("0", "off", "no", "false"):
         return None
     if fast is True or fast in ("1", "on", "yes", "true", "graph", "graphed"):

@@ -168,8 +168,8 @@ def fit(
     Returns:
         ``history``: lists ``loss``, ``train_acc``, ``val_acc``, ``seconds``,
         ``images_per_s`` (one entry per epoch) and any lists ``on_epoch_end`` added; with ``fast``
-        asked for, also ``images_seen`` (per epoch), ``step_path`` and, where it applies,
-        ``step_path_reason``.
+        asked for, also ``images_seen`` (per epoch), ``step_path`` and, where they apply,
+        ``step_path_reason`` and ``step_notes`` (e.g. no fused Adam for this device).
     """
     if not isinstance(train, Split):
         raise TypeError(f"train must be a capslib.data.Split; got {type(train).__name__}")
@@ -306,6 +306,8 @@ def fit(
             reason = (runner.reason if runner is not None else None) or plan.reason
             if reason:
                 history["step_path_reason"] = reason
+            if plan.notes:   # e.g. no fused Adam for this device
+                history["step_notes"] = list(plan.notes)
         if on_epoch_end is not None:
             on_epoch_end(epoch, model, history)
         if progress and (ranks is None or ranks[0] == 0):

@@ -210,3 +210,16 @@ def test_the_gpu_fast_check_rehearses_on_a_cpu(tmp_path, capsys):
     assert res["agreement"]["graph_path"] == "graphed" and res["agreement"]["rel_graph_vs_same_optimizer"] == 0.0
     assert [r["step_path"] for r in res["fit"]] == ["eager", "static"]
     assert [r["images_seen"] for r in res["fit"]] == [20, 16]     # 2 batches of 8 and a partial one of 4
+    assert res["raw_steps"]["graphed"]["path"] == "graphed" and res["raw_steps"]["eager"]["images_per_s"] > 0
+
+
+def test_an_optimizer_without_a_fused_kernel_is_noted(monkeypatch):
+    real = torch.optim.Adam
+
+    def no_fused(params, **kw):
+        if kw.get("fused"):
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return real(params, **kw)
+    monkeypatch.setattr(torch.optim, "Adam", no_fused)
+    h = train.fit(_tiny(), _split(32), _loss, fast="STATIC", **KW)
+    assert h["step_path"] == "static" and h["step_notes"][0].startswith("fused Adam unavailable")

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {"data", "layers", "models", "train", "routing", "ops", "rem", "soft_routing", "poe", "em",
                "em_layers", "poe_models", "multimnist", "pitfalls", "coupling_gradient", "checks", "switches",
-               "timing"}
+               "timing", "pruning", "datasets", "checkpoints", "distributed", "steps"}
 
 
 def __getattr__(name):

@@ -78,7 +78,10 @@ def margin_loss(
             f"got {tuple(target.shape)}"
         )
     J = lengths.shape[1]
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= J):
+    # the range check reads two numbers back to the host: not while a CUDA graph is being captured
+    # (capslib.steps), where a host read cannot be recorded and the replays run no Python anyway
+    capturing = target.is_cuda and torch.cuda.is_current_stream_capturing()
+    if target.numel() and not capturing and (int(target.min()) < 0 or int(target.max()) >= J):
         raise ValueError(f"target labels must lie in [0, {J}); got range [{int(target.min())}, {int(target.max())}]")
     t = torch.zeros_like(lengths).scatter_(1, target.reshape(len(target), -1), 1.0)
     pos = t * torch.relu(m_pos - lengths) ** 2

@@ -50,7 +50,11 @@ EPS = 1e-6            # floor of every sum of assignments sum_i r'_ij
 
 # ----------------------------------------------------------------------------- routing
 
-SCHEDULES = ("ramp", "constant")
+SCHEDULES = ("ramp", "constant", "authors")
+# the schedule Hinton et al. gave in their OpenReview reply, as quoted in the source of
+# IBM/matrix-capsules-with-em-routing (em_routing.py): lambda_t = final_lambda * (1 - 0.95 ** (t + 1)), with
+# final_lambda = 0.01 for their unnormalised cost (``normalize="none"``)
+AUTHORS_FINAL_LAMBDA = 0.01
 
 
 def _check_schedule(schedule):
@@ -69,7 +73,10 @@ def inverse_temperatures(iterations: int, final_lambda: float = FINAL_LAMBDA, sc
     M-step runs at ``final_lambda``, with three the first runs at a third of it), so a comparison
     of iteration counts also compares schedules. ``schedule="constant"`` uses ``final_lambda`` in
     every iteration: then iteration ``t`` is the same computation whatever the number of
-    iterations, and only their number differs (chapter 5's iteration study).
+    iterations, and only their number differs (chapter 5's iteration study). ``schedule="authors"``
+    is the schedule the paper's authors gave (see :data:`AUTHORS_FINAL_LAMBDA`): ``lambda_t =
+    final_lambda * (1 - 0.95 ** (t + 1))``, which like "constant" does not depend on the number of
+    iterations, and rises slowly towards ``final_lambda`` without reaching it.
     """
     check_positive_int("iterations", iterations)
     if not final_lambda > 0:
@@ -77,6 +84,8 @@ def inverse_temperatures(iterations: int, final_lambda: float = FINAL_LAMBDA, sc
     _check_schedule(schedule)
     if schedule == "constant":
         return [float(final_lambda)] * iterations
+    if schedule == "authors":
+        return [final_lambda * (1.0 - 0.95 ** (t + 1)) for t in range(iterations)]
     return [final_lambda * (t + 1) / iterations for t in range(iterations)]
 
 
@@ -226,7 +235,7 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
       ``log p_ij = -sum_h [(V_ijh - mu_jh)^2 / (2 sigma_jh^2) + log(2 pi sigma_jh^2) / 2]``,
       ``R_ij = softmax_j(log a'_j + log p_ij)``;
 
-    with ``lambda_t`` from :func:`inverse_temperatures` (``schedule``: ``"ramp"`` or ``"constant"``); every ``sum_i r'_ij`` that divides
+    with ``lambda_t`` from :func:`inverse_temperatures` (``schedule``: ``"ramp"``, ``"constant"`` or ``"authors"``); every ``sum_i r'_ij`` that divides
     is clamped to at least ``eps`` (below it, ``mu`` tends to the plain mean of the votes). The loop is arranged so that the vote tensor is only read by
     matrix products (see ``_em``); chapter 5 checks it against the plain formulas.
 
@@ -257,7 +266,7 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
 
 def em_trace(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, iterations: int = 3,
              final_lambda: float = FINAL_LAMBDA, var_floor: float = VAR_FLOOR, eps: float = EPS,
-             normalize: str = NORMALIZE) -> list[EMState]:
+             normalize: str = NORMALIZE, schedule: str = "ramp") -> list[EMState]:
     """Every iteration of :func:`em_routing` (for figures such as the paper's Fig. 2; chapter 5).
 
     Returns a list of ``iterations`` :class:`EMState` ``(mu, sigma2, a, R)`` with ``R (B, I, J)``
@@ -266,10 +275,11 @@ def em_trace(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, ite
     """
     _check_em_inputs(votes, activations, iterations)
     _check_normalize(normalize)
+    _check_schedule(schedule)
     out: list[EMState] = []
     with torch.no_grad():
         _em(votes.transpose(1, 2).contiguous(), activations, beta_u, beta_a, iterations, final_lambda,
-            var_floor, eps, True, trace=out, normalize=normalize)
+            var_floor, eps, True, trace=out, normalize=normalize, schedule=schedule)
     return out
 
 

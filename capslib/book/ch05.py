@@ -46,3 +46,346 @@ profiles.register(
               eval_batch=64, calibrate_images=64),
     paper=dict(epochs=50, compare_epochs=5, compare_seeds=5),
 )
+
+
+# ============================================================================= paper scale as experiment units
+#
+# Every training that chapter 5's paper-scale section rests on, as one unit per configuration and seed
+# (see :mod:`capslib.book.units`). smallNORB, the paper's dataset, is not available offline here, so the
+# units train on MNIST (55,000 training digits, 5,000 for validation, the 10,000 test digits):
+#
+# - ``05/main/s<k>``: the paper's network (A = B = C = D = 32, K = 3, 3 routing iterations, coordinate
+#   addition), the book's inverse-temperature ramp and normalised cost, the spread loss with the margin
+#   rising from 0.2 to 0.9 over the run. Measured: test accuracy; the same network on the test digits
+#   centred on 40x40 canvases and affNIST-style distorted there (never trained on either); the test digits
+#   turned by each of VIEWPOINT_ANGLES; and the paper's Fig. 2 on FIG2_IMAGES test digits: after each
+#   routing iteration of the class layer, the assignment-weighted distances of the votes to their parents'
+#   means (true class and the other nine), the assignment entropy and the weight on the true class.
+# - ``05/iterations/<schedule>/T<T>/s<k>``: the same network with T = 1, 2, 3 routing iterations in
+#   every routed layer, under two inverse-temperature schedules that do not depend on T: "authors", the
+#   schedule Hinton et al. gave (lambda_t = 0.01 (1 - 0.95^(t+1)), with the unnormalised cost it was given
+#   for), and "constant" (lambda = 1 in every iteration with the book's normalised cost, the chapter's own
+#   control). Measured: test accuracy and the class layer's assignment entropy after each iteration.
+#
+# Schedule: UNIT_SCHEDULE["epochs"] epochs, not the paper's 50, so that each unit projects within 8
+# minutes on one H100 at the step bench's rate for this network (``em32``, about 940 images/s); the
+# evaluations after training (about 100,000 forward passes) take about a minute more.
+
+import math as _math
+import os
+
+import numpy as np
+import torch
+
+from .. import data, em, em_layers, train
+from .units import Unit, encode_array, register
+
+UNIT_FAMILY = "em32"
+# ``version`` counts changes to what the units' ``run`` or ``capslib.train.fit`` do that the probe cannot
+# see (bump it with such a change: every chapter-5 result then reads stale).
+UNIT_SCHEDULE = dict(version=1, dataset="mnist", split_seed=0, validation=5000, train_images=55_000, epochs=5,
+                     paper_epochs=50, batch_size=32, lr=3e-3, lr_decay=0.96, margin=[0.2, 0.9], optimizer="Adam",
+                     calibrate_images=64, eval_batch=64,
+                     precision="float32 weights and activations, TF32 products and convolutions",
+                     step="fit's fast path: whole batches only (the last partial batch of each epoch dropped), "
+                          "fused Adam, the step captured in a CUDA graph where the capture works; the margin "
+                          "advanced by a counter on the device")
+UNIT_SIZES = dict(A=32, B=32, C=32, D=32)
+UNIT_SEEDS = (0, 1, 2)
+UNIT_ITERATIONS = (1, 2, 3)
+# inverse-temperature schedules of the iteration study: (final lambda, cost normalisation)
+UNIT_STUDY_SCHEDULES = {"authors": (em.AUTHORS_FINAL_LAMBDA, "none"), "constant": (FINAL_LAMBDA, NORMALIZE)}
+VIEWPOINT_ANGLES = (0, 20, 40, 60)
+AFFINE_SIZE = 40
+FIG2_IMAGES = 64
+FIG2_BINS = 40
+# Smoke runs (CPU tests, rehearsals): the same code on the embedded digits, a tiny network, one epoch.
+UNIT_SMOKE = dict(dataset="embedded", epochs=1, train=192, val=64, test=96, sizes=dict(A=4, B=2, C=2, D=2),
+                  fig2_images=16, eval_batch=48)
+
+
+class CountedSpreadLoss:
+    """The spread loss with the margin of :func:`capslib.em.margin_at`, its step counted by a tensor on
+    the device (advanced inside the step), so that a step captured in a CUDA graph and replayed still
+    raises the margin: ``em.SpreadLoss`` counts in Python, which a replay would not advance."""
+
+    def __init__(self, total_steps: int, start: float, end: float, device):
+        self.total_steps, self.start, self.end = total_steps, float(start), float(end)
+        self.step = torch.zeros((), dtype=torch.float64, device=device)
+
+    def margin(self) -> torch.Tensor:
+        if self.total_steps <= 1:
+            return torch.full_like(self.step, self.end)
+        frac = (self.step / (self.total_steps - 1)).clamp(0.0, 1.0)
+        return self.start + (self.end - self.start) * frac
+
+    def __call__(self, model, x, y):
+        out = model(x)
+        act = out.activations.float()
+        loss = em.spread_loss(act, y, self.margin().to(act.dtype))
+        self.step += 1
+        return loss, out.activations
+
+
+def unit_net(unit: Unit, smoke: bool = False) -> em_layers.EMCapsNet:
+    cfg = unit.config
+    sizes = UNIT_SMOKE["sizes"] if smoke else cfg["sizes"]
+    return em_layers.EMCapsNet(**sizes, iterations=cfg["iterations"], final_lambda=cfg["final_lambda"],
+                               normalize=cfg["normalize"], init_std=cfg["init_std"], schedule=cfg["schedule"])
+
+
+def unit_probe(unit: Unit) -> dict:
+    """One training step of the unit's network at full size in float64 on the CPU (weights drawn from
+    seed 0, calibrated on two seeded random images, the spread loss at its first margin): the loss and
+    the per-parameter gradient norms."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = unit_net(unit)
+    finally:
+        torch.set_default_dtype(previous)
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 1, 28, 28, generator=g, dtype=torch.float64)
+    y = torch.tensor([3, 7])
+    net.calibrate(x)
+    loss, _ = CountedSpreadLoss(10, *unit.config["margin"], device="cpu")(net, x, y)
+    loss.backward()
+    out = {"loss": loss.item(), "x_sum": x.sum().item()}
+    for name, p in net.named_parameters():
+        if p.grad is not None:
+            out[f"grad:{name}"] = p.grad.norm().item()
+    return out
+
+
+@torch.no_grad()
+def _sharpening(net: em_layers.EMCapsNet, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, dict]:
+    """The paper's Fig. 2 on test digits ``x``: the class layer's EM routing one iteration at a time."""
+    net.eval()
+    pose, a_child = net.capsules(x)[-1]
+    votes_t, a_in = net.class_caps.votes(pose, a_child)
+    votes = votes_t.flatten(3).transpose(1, 2).float()                      # (N, I, J, 16)
+    a_in = a_in.float()
+    cc = net.class_caps
+    states = em.em_trace(votes, a_in, cc.beta_u.float(), cc.beta_a.float(), iterations=cc.iterations,
+                         final_lambda=cc.final_lambda, normalize=cc.normalize, schedule=cc.schedule)
+    is_true = torch.nn.functional.one_hot(y, votes.shape[2]).bool()[:, None, :].expand(votes.shape[:3])
+    dist = [(votes - st.mu[:, None]).norm(dim=-1) for st in states]
+    weight = [st.R * a_in[:, :, None] for st in states]
+    top = float(torch.quantile(dist[0].flatten().float().cpu(), 0.98)) or 1.0
+    hist_true, hist_other, share, entropy = [], [], [], []
+    for d, w, st in zip(dist, weight, states):
+        for mask, n_caps, out in ((is_true, 1, hist_true), (~is_true, votes.shape[2] - 1, hist_other)):
+            h = np.histogram(d[mask].cpu().numpy(), bins=FIG2_BINS, range=(0, top),
+                             weights=w[mask].cpu().numpy() / (len(x) * n_caps))[0]
+            out.append(h)
+        share.append(float((w * is_true).sum() / w.sum()))
+        entropy.append(float((-(st.R.clamp_min(1e-12).log() * st.R).sum(-1) * a_in).sum() / a_in.sum()))
+    metrics = {"images": len(x), "weight_on_true_class": share, "assignment_entropy_nats": entropy,
+               "uniform_entropy_nats": _math.log(votes.shape[2])}
+    arrays = {"fig2_true": encode_array(np.stack(hist_true)), "fig2_other": encode_array(np.stack(hist_other)),
+              "fig2_range": encode_array(np.array([0.0, top]))}
+    return metrics, arrays
+
+
+def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
+    """Train the unit's network (see the notes above) and measure it."""
+    cfg = unit.config
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    splits = data.load(UNIT_SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=cfg["split_seed"])
+    tr, val, test = splits["train"], splits["val"], splits["test"]
+    if smoke:
+        tr, val, test = tr.subset(UNIT_SMOKE["train"]), val.subset(UNIT_SMOKE["val"]), test.subset(UNIT_SMOKE["test"])
+    elif (len(tr), len(val)) != (cfg["train_images"], cfg["validation"]):
+        raise ValueError(f"{unit.key}: expected {cfg['train_images']:,} training and {cfg['validation']:,} validation "
+                         f"digits; got {len(tr):,} and {len(val):,} (a smoke setting in the environment?)")
+    epochs = UNIT_SMOKE["epochs"] if smoke else cfg["epochs"]
+    eval_batch = UNIT_SMOKE["eval_batch"] if smoke else cfg["eval_batch"]
+    torch.manual_seed(unit.seed)
+    net = unit_net(unit, smoke).to(device)
+    net.calibrate(tr.x[:cfg["calibrate_images"]])
+    loss_fn = CountedSpreadLoss(epochs * (len(tr) // cfg["batch_size"]), *cfg["margin"], device=device)
+    history = train.fit(net, tr, loss_fn, epochs=epochs, batch_size=cfg["batch_size"], lr=cfg["lr"],
+                        lr_decay=cfg["lr_decay"], val=val, seed=unit.seed, amp=False, progress=True,
+                        eval_batch_size=eval_batch, desc=unit.key,
+                        fast="static" if os.environ.get("CAPSBOOK_NO_GRAPH", "").strip() not in ("", "0") else True)
+    acc = train.evaluate(net, test, batch_size=eval_batch)
+    nonfinite = int(history.get("nonfinite_steps", 0)) + int((~np.isfinite(history["loss"])).sum())
+    metrics = {"test_accuracy": acc, "test_error": 1 - acc, "test_images": len(test), "epochs": epochs,
+               "train_images": len(tr), "final_val_accuracy": history["val_acc"][-1], "nonfinite_losses": nonfinite,
+               "final_margin": float(loss_fn.margin()), "params": sum(p.numel() for p in net.parameters()),
+               "images_per_s_median": float(np.median(history["images_per_s"])),
+               "seconds_per_epoch_median": train.seconds_per_epoch(history),
+               "step_path": history.get("step_path"), "step_path_reason": history.get("step_path_reason")}
+    n_fig2 = UNIT_SMOKE["fig2_images"] if smoke else FIG2_IMAGES
+    fig2, arrays = _sharpening(net, test.x[:n_fig2], test.y[:n_fig2])
+    metrics["sharpening"] = fig2
+    if unit.name == "main":
+        padded = data.Split(data.pad_to(test.x, AFFINE_SIZE), test.y)
+        affine = data.Split(data.affine(test.x, size=AFFINE_SIZE), test.y)
+        metrics["transfer"] = {"centred_40": train.evaluate(net, padded, batch_size=eval_batch),
+                               "affine_40": train.evaluate(net, affine, batch_size=eval_batch)}
+        metrics["viewpoint"] = {str(a): acc if a == 0 else
+                                train.evaluate(net, data.Split(data.rotate(test.x, a, seed=a), test.y), batch_size=eval_batch)
+                                for a in VIEWPOINT_ANGLES}
+    else:
+        arrays = {}    # the iteration study keeps the numbers of its sharpening, not the histograms
+    hist = {k: v for k, v in history.items() if isinstance(v, list)}
+    return {"metrics": metrics, "history": hist, "arrays": arrays}
+
+
+def _unit_config(iterations: int, schedule: str, final_lambda: float, normalize: str) -> dict:
+    return {**UNIT_SCHEDULE, "sizes": UNIT_SIZES, "iterations": iterations, "schedule": schedule,
+            "final_lambda": final_lambda, "normalize": normalize, "init_std": W_INIT_STD}
+
+
+def _register() -> None:
+    images = UNIT_SCHEDULE["epochs"] * UNIT_SCHEDULE["train_images"]
+    main = _unit_config(3, "ramp", FINAL_LAMBDA, NORMALIZE)
+    for s in UNIT_SEEDS:
+        register(Unit("05", "main", s, unit_run, main, unit_probe, UNIT_FAMILY, images, 10 + 20 * s,
+                      "the paper's EM network on MNIST: test error, 40x40 transfer, rotated digits, Fig. 2"))
+    for k, (sched, (lam, norm)) in enumerate(UNIT_STUDY_SCHEDULES.items()):
+        for T in UNIT_ITERATIONS:
+            for s in UNIT_SEEDS:
+                register(Unit("05", f"iterations/{sched}/T{T}", s, unit_run, _unit_config(T, sched, lam, norm),
+                              unit_probe, UNIT_FAMILY, images, 11 + 20 * s + 3 * k + T,
+                              f"iteration study: {T} routing iteration{'s' * (T > 1)}, inverse temperature "
+                              f"'{sched}'"))
+
+
+_register()
+
+
+# ----------------------------------------------------------------------------- the chapter's paper-scale views
+
+SCHEDULE_LABELS = {"authors": "authors' schedule, unnormalised cost", "constant": "constant, normalised cost"}
+
+
+def main_groups(smoke: bool = False):
+    from .units import group
+    return [group("05/main", "the paper's network, 3 iterations", smoke)]
+
+
+def iteration_groups(smoke: bool = False) -> dict:
+    """``{(schedule, T): Group}`` of the iteration study."""
+    from .units import group
+    return {(sched, T): group(f"05/iterations/{sched}/T{T}", f"{T} iteration{'s' * (T > 1)}, {SCHEDULE_LABELS[sched]}",
+                              smoke)
+            for sched in UNIT_STUDY_SCHEDULES for T in UNIT_ITERATIONS}
+
+
+def _mean_sd(values: list, scale: float = 100.0, digits: int = 2) -> str:
+    v = [scale * x for x in values]
+    if not v:
+        return "not yet run"
+    return f"{np.mean(v):.{digits}f}" if len(v) == 1 else f"{np.mean(v):.{digits}f} ± {np.std(v, ddof=1):.{digits}f} (SD)"
+
+
+def main_frame(groups):
+    """The main network over its seeds: test error in per cent on MNIST, on the test digits centred on
+    40x40 canvases and distorted there, and turned by each angle (mean and SD over the seeds run)."""
+    import pandas as pd
+
+    res = groups[0].results
+    err = lambda f: _mean_sd([1 - f(r["metrics"]) for r in res])   # noqa: E731
+    rows = [("MNIST test digits, 28x28", err(lambda m: m["test_accuracy"])),
+            ("centred on 40x40 (never trained on)", err(lambda m: m["transfer"]["centred_40"])),
+            ("affNIST-style on 40x40 (never trained on)", err(lambda m: m["transfer"]["affine_40"]))]
+    rows += [(f"turned by {a}° (never trained on)", err(lambda m, a=a: m["viewpoint"][str(a)]))
+             for a in VIEWPOINT_ANGLES if a]
+    frame = pd.DataFrame(rows, columns=["test digits", "test error (%)"]).set_index("test digits")
+    frame["seeds"] = len(res)
+    return frame
+
+
+def iterations_frame(groups: dict):
+    """Test error (%) by number of routing iterations and schedule (mean ± SD over the seeds run), and
+    each T's difference to T = 1 paired by seed (mean over the seeds both have)."""
+    import pandas as pd
+
+    rows = {}
+    for (sched, T), g in groups.items():
+        ref = {r["seed"]: r["metrics"]["test_error"] for r in groups[(sched, 1)].results}
+        paired = [100 * (r["metrics"]["test_error"] - ref[r["seed"]]) for r in g.results if r["seed"] in ref]
+        rows[(SCHEDULE_LABELS[sched], T)] = {
+            "test error (%)": _mean_sd(g.values("test_error")),
+            "minus T = 1, same seed (points)": "—" if T == 1 else (f"{np.mean(paired):+.2f}" if paired else "not yet run"),
+            "seeds": len(g.results)}
+    frame = pd.DataFrame.from_dict(rows, orient="index")
+    frame.index = pd.MultiIndex.from_tuples(frame.index, names=["inverse temperature", "T"])
+    return frame
+
+
+def draw_iterations(groups: dict):
+    """Test error against the number of routing iterations T, one panel per schedule: each seed a point,
+    the mean a line."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    if not any(g.results for g in groups.values()):
+        raise ValueError("draw_iterations needs at least one result of the iteration study")
+    scheds = list(UNIT_STUDY_SCHEDULES)
+    fig, axes = plt.subplots(1, len(scheds), figsize=(COLUMN_IN, 3.0), sharey=True, squeeze=False)
+    for ax, sched in zip(axes[0], scheds):
+        means = []
+        for T in UNIT_ITERATIONS:
+            e = [100 * v for v in groups[(sched, T)].values("test_error")]
+            ax.plot([T] * len(e), e, "o", color="C0", alpha=0.6, ms=4)
+            means.append(np.mean(e) if e else np.nan)
+        ax.plot(UNIT_ITERATIONS, means, "-", color="C0", lw=1.5)
+        ax.set_xticks(UNIT_ITERATIONS)
+        ax.set_xlabel("routing iterations $T$", fontsize=11)
+        ax.set_title(SCHEDULE_LABELS[sched], fontsize=10)
+    axes[0, 0].set_ylabel("test error (%)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def draw_fig2(result: dict):
+    """The paper's Fig. 2 from a ``05/main`` result: after each routing iteration of the class layer,
+    the assignment-weighted distances $\\lVert V_{ij} - \\mu_j \\rVert$ of the votes to the class of the
+    digit (left) and to the nine others (right), weight per image and per class capsule."""
+    import matplotlib.pyplot as plt
+
+    from .units import decode_array
+    from .viz import COLUMN_IN
+
+    a = result["arrays"]
+    ht, ho, rng = decode_array(a["fig2_true"]), decode_array(a["fig2_other"]), decode_array(a["fig2_range"])
+    T, bins = ht.shape
+    edges = np.linspace(rng[0], rng[1], bins + 1)
+    ymax = 1.05 * max(ht.max(), ho.max())
+    fig, axes = plt.subplots(T, 2, figsize=(COLUMN_IN, 2.0 * T + 0.6), sharex=True, sharey=True, squeeze=False)
+    for t in range(T):
+        for c, (h, title) in enumerate(((ht[t], "class of the digit"), (ho[t], "the nine other classes"))):
+            axes[t, c].stairs(h, edges, fill=True, color="C0")
+            axes[t, c].set_title(f"{title}, iteration {t + 1}", fontsize=10)
+            axes[t, c].set_ylim(0, ymax)
+        axes[t, 0].set_ylabel("weight per image\nper class capsule", fontsize=9)
+    for c in range(2):
+        axes[-1, c].set_xlabel("$\\|V_{ij} - \\mu_j\\|$", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def draw_curves(results: list):
+    """Validation accuracy after each epoch, one line per seed of the main network."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    if not results:
+        raise ValueError("draw_curves needs at least one result of the main unit")
+    fig, ax = plt.subplots(figsize=(COLUMN_IN * 0.7, 2.8))
+    for r in results:
+        v = r["history"]["val_acc"]
+        ax.plot(range(1, len(v) + 1), [100 * (1 - x) for x in v], "o-", ms=3, label=f"seed {r['seed']}")
+    ax.set_xlabel("epoch", fontsize=11)
+    ax.set_ylabel("validation error (%)", fontsize=11)
+    ax.legend(fontsize=9, frameon=False)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,150 @@
+"""Chapters 5 and 7's experiment units (capslib.book.ch05, capslib.book.ch07): their declaration and
+projection, what their probes see, the margin that a replayed step still raises, and the write -> load
+-> view path at smoke size on the CPU (one unit per chapter)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from capslib import em
+from capslib.book import ch05, ch07
+from capslib.book import units as U
+
+
+def test_every_unit_is_declared_and_projected_within_eight_minutes():
+    u5, u7 = U.all_units("05"), U.all_units("07")
+    keys5, keys7 = {u.key for u in u5}, {u.key for u in u7}
+    assert len(u5) == (1 + len(ch05.UNIT_STUDY_SCHEDULES) * len(ch05.UNIT_ITERATIONS)) * len(ch05.UNIT_SEEDS)
+    assert {f"05/iterations/{s}/T{T}/s{k}" for s in ("authors", "constant") for T in (1, 2, 3) for k in (0, 1, 2)} <= keys5
+    assert {"05/main/s0", "05/main/s1", "05/main/s2"} <= keys5
+    assert keys7 == {f"07/experts/{v}/s{k}" for v in ("hauser", "centred", "sparsity") for k in (0, 1, 2)}
+    for u in u5 + u7:
+        assert U.projected_seconds(u) <= 8 * 60, u.key
+    for u in u5:
+        assert u.images == u.config["epochs"] * u.config["train_images"], u.key
+    # the most valuable first: the main network, then one seed of every configuration before any second seed
+    assert u5[0].key == "05/main/s0"
+    for units in (u5, u7):
+        assert max(u.priority for u in units if u.seed == 0) < min(u.priority for u in units if u.seed == 1)
+    assert U.rate_of(ch05.UNIT_FAMILY)[1] in ("bench", "measured")
+    assert U.rate_of(ch07.UNIT_FAMILY)[1] in ("assumed", "measured")   # CD-1 and U have no bench rate yet
+    # the shortened schedules are in the configurations, beside the longer ones they stand for
+    assert u5[0].config["epochs"] < u5[0].config["paper_epochs"]
+    full = u7[0].config["full_epochs"]
+    assert u7[0].config["cd_epochs"] < full["cd"] and u7[0].config["ae_epochs"] < full["ae"]
+
+
+def test_the_authors_schedule():
+    lam = em.inverse_temperatures(3, 0.01, "authors")
+    assert lam == pytest.approx([0.01 * (1 - 0.95 ** (t + 1)) for t in range(3)])
+    assert em.inverse_temperatures(2, 0.01, "authors") == lam[:2]          # iteration t does not depend on T
+    # em_trace follows the schedule it is given: its last state is em_routing's
+    g = torch.Generator().manual_seed(0)
+    V, a = torch.randn(2, 6, 3, 4, generator=g, dtype=torch.float64), torch.rand(2, 6, generator=g, dtype=torch.float64)
+    mu, act, _ = em.em_routing(V, a, 0.0, 0.0, 3, final_lambda=0.01, normalize="none", schedule="authors")
+    last = em.em_trace(V, a, 0.0, 0.0, 3, final_lambda=0.01, normalize="none", schedule="authors")[-1]
+    torch.testing.assert_close(last.mu, mu)
+    torch.testing.assert_close(last.a, act)
+
+
+def test_the_margin_rises_with_a_counter_on_the_device():
+    loss = ch05.CountedSpreadLoss(5, 0.2, 0.9, device="cpu")
+    net = em_out
+    x, y = torch.zeros(3, 1), torch.tensor([0, 1, 2])
+    margins = []
+    for _ in range(7):
+        margins.append(float(loss.margin()))
+        loss(net, x, y)
+    assert margins == pytest.approx([em.margin_at(s, 5, 0.2, 0.9) for s in range(7)])
+
+
+def em_out(x):
+    from capslib.em_layers import EMOutput
+    a = torch.tensor([[0.7, 0.6, 0.1], [0.2, 0.5, 0.1], [0.3, 0.3, 0.3]])
+    return EMOutput(a, torch.zeros(3, 3, 4, 4))
+
+
+def test_probes_see_what_each_unit_computes():
+    p = {k: U.probe_values(U.get(k)) for k in ("05/main/s0", "05/main/s2", "05/iterations/constant/T3/s0",
+                                               "05/iterations/constant/T1/s0", "05/iterations/authors/T3/s0")}
+    assert p["05/main/s0"] == p["05/main/s2"]                                  # seeds train the same network
+    for a, b in [("05/main/s0", "05/iterations/constant/T3/s0"), ("05/iterations/constant/T3/s0", "05/iterations/constant/T1/s0"),
+                 ("05/iterations/constant/T3/s0", "05/iterations/authors/T3/s0")]:
+        assert not U.probe_agrees(p[a], p[b]), (a, b)
+    q = {v: U.probe_values(U.get(f"07/experts/{v}/s0")) for v in ch07.UNIT_VARIANTS}
+    assert q["hauser"]["ae_loss"] == q["centred"]["ae_loss"] == q["sparsity"]["ae_loss"]   # the same autoencoder step
+    assert q["hauser"]["delta_U"] == q["sparsity"]["delta_U"]                 # the sparsity term acts on W only
+    assert not math.isclose(q["hauser"]["delta_W"], q["sparsity"]["delta_W"], rel_tol=1e-3)
+    assert not math.isclose(q["hauser"]["delta_W"], q["centred"]["delta_W"], rel_tol=1e-3)
+    assert U.fingerprint(U.get("07/experts/hauser/s0")) != U.fingerprint(U.get("07/experts/centred/s0"))
+
+
+@pytest.fixture(scope="module")
+def smoke_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("units0507")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(U, "RESULTS_ROOT", root)
+        for key in ("05/main/s0", "07/experts/centred/s0"):
+            U.execute(U.get(key), device="cpu", smoke=True)
+    return root
+
+
+def test_chapter5_views_from_a_smoke_result(smoke_root, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(U, "RESULTS_ROOT", smoke_root)
+    st, res = U.state(U.get("05/main/s0"), smoke=True)
+    assert st == "done" and res["smoke"]
+    m = res["metrics"]
+    assert m["test_images"] == ch05.UNIT_SMOKE["test"] and m["nonfinite_losses"] == 0
+    assert m["final_margin"] == pytest.approx(0.9)                        # the margin reached its end
+    assert m["step_path"] == "static"                                      # the fast path on a CPU
+    sh = m["sharpening"]
+    assert len(sh["assignment_entropy_nats"]) == 3 and all(0 <= h <= math.log(10) + 1e-6 for h in sh["assignment_entropy_nats"])
+    assert set(m["viewpoint"]) == {str(a) for a in ch05.VIEWPOINT_ANGLES} and m["viewpoint"]["0"] == m["test_accuracy"]
+    ht, ho = U.decode_array(res["arrays"]["fig2_true"]), U.decode_array(res["arrays"]["fig2_other"])
+    assert ht.shape == ho.shape == (3, ch05.FIG2_BINS)
+    assert (ht >= 0).all() and (ho >= 0).all() and 0 < ht.sum() and 0 < ho.sum()
+    mg, ig = ch05.main_groups(smoke=True), ch05.iteration_groups(smoke=True)
+    frame = ch05.main_frame(mg)
+    assert frame.loc["MNIST test digits, 28x28", "test error (%)"] == f"{100 * m['test_error']:.2f}"
+    assert frame["seeds"].iloc[0] == 1
+    it = ch05.iterations_frame(ig)
+    assert (it["test error (%)"] == "not yet run").all() and (it["seeds"] == 0).all()
+    text = U.banner(mg + list(ig.values()))
+    assert "1 of 3 seeds run" in text and "0 of 3 seeds run" in text and "05/" not in text
+    figs = [ch05.draw_curves(mg[0].results), ch05.draw_fig2(mg[0].results[0])]
+    assert all(f.axes for f in figs)
+    with pytest.raises(ValueError, match="at least one"):
+        ch05.draw_iterations(ig)
+    plt.close("all")
+
+
+def test_chapter7_views_from_a_smoke_result(smoke_root, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(U, "RESULTS_ROOT", smoke_root)
+    st, res = U.state(U.get("07/experts/centred/s0"), smoke=True)
+    assert st == "done" and res["smoke"]
+    m = res["metrics"]
+    J, n = ch07.UNIT_SCHEDULE["out_caps"], ch07.UNIT_SMOKE["purity_samples"]
+    p = m["purity"]
+    assert len(p["per_capsule"]) == len(p["majority"]) == J and p["samples_per_capsule"] == n
+    assert all(1 / 10 <= q <= 1 for q in p["per_capsule"]) and 1 <= p["distinct_classes"] <= 10
+    assert 0 <= m["readout"]["capsules"] <= 1 and 0 <= m["collapse"]["resultant_min"] <= 1 + 1e-6
+    assert len(res["history"]["cd_reconstruction"]) == ch07.UNIT_SMOKE["cd_epochs"]
+    samples = U.decode_array(res["arrays"]["samples"])
+    assert samples.shape == (J, ch07.UNIT_SMOKE["shown_samples"], 28, 28) and samples.dtype == np.uint8
+    groups = ch07.experts_groups(smoke=True)
+    frame = ch07.experts_frame(groups)
+    assert frame.loc["centred inputs", "class purity"] == f"{p['mean']:.3f}" and frame.loc["centred inputs", "seeds"] == 1
+    assert frame.loc["sparsity term", "class purity"] == "not yet run"
+    assert "1 of 3 seeds run" in U.banner(groups)
+    figs = [ch07.draw_samples(groups[1].results[0]), ch07.draw_purity(groups)]
+    assert all(f.axes for f in figs)
+    plt.close("all")

@@ -8,9 +8,11 @@ library's :mod:`capslib.coupling_gradient`.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import profiles
@@ -486,4 +488,353 @@ def draw_semantic_graph(G, ax=None, title: str | None = None):
     ax.set(xlim=(step * 0.45 - 0.4, max(xs) + 0.4), ylim=(-0.45, 3.45))   # the same frame with or without û
     if title:
         ax.set_title(title, fontsize=10)
+    return fig
+
+
+# ============================================================================= paper scale as experiment units
+#
+# Every training that chapter 4's paper-scale claims rest on, one unit per configuration and seed
+# (see :mod:`capslib.book.units`):
+#
+# - ``04/mnist/<variant>/s<k>``: Sabour et al.'s CapsNet (with its decoder) trained on all 55,000
+#   training digits for Table 1's 100 epochs (batch 128, Adam 1e-3, 3 iterations, reconstruction
+#   weight 0.0005), with full-gradient routing, detached couplings, or uniform routing (one
+#   iteration, c = 1/J). Measured: test accuracy; after every epoch, on a fixed batch of validation
+#   digits, the relative difference and cosine of the full and detached gradients of W and the
+#   couplings' row entropy and polarisation (the chapter's CouplingProbe, at epoch ends only); on the
+#   trained weights and the test digits, the accuracy with routing replaced by uniform couplings
+#   (K = 1) beside the accuracy with three iterations, ||v^(3) - v^(1)|| / ||v^(1)||, the couplings'
+#   row entropy against ln J, and the second term's share of the votes' gradient on the probe batch.
+# - ``04/expanded/<variant>/s<k>``: the same three variants on expanded MNIST (40x40, shifted up to
+#   6 px), tested on the centred 40x40 test digits and on the affNIST-style ones. 50 epochs instead of
+#   Table 1's 100: a 40x40 CapsNet trains at half the rate, and 100 epochs would not fit one unit.
+
+UNIT_SEEDS = tuple(range(5))          # Table 1's five runs
+UNIT_VARIANTS = {"full": (False, 3), "detached": (True, 3), "uniform": (False, 1)}   # name -> (detach, iterations)
+VARIANT_LABELS = {"full": "full gradient", "detached": "detached couplings", "uniform": "uniform routing"}
+# ``version`` counts changes to what the units' ``run`` or ``capslib.train.fit`` do that the probe
+# cannot see (bump it with such a change: every chapter-4 result then reads stale).
+UNIT_SCHEDULE = dict(version=1, dataset="mnist", split_seed=0, validation=5000, train_images=55_000, epochs=100,
+                     batch_size=128, lr=1e-3, lr_decay=None, recon_weight=0.0005, iterations=3, probe_digits=500,
+                     probe_seed=1, eval_batch=1000, second_term_digits=100, optimizer="Adam",
+                     precision="float32 weights and activations, TF32 products and convolutions",
+                     step="fit's fast path: whole batches only (the last partial batch of each epoch dropped), "
+                          "fused Adam, the step captured in a CUDA graph where the capture works")
+UNIT_EXPANDED = dict(epochs=50, size=40, max_shift=6, expand_seed=0, affine_seed=0, primary_stride=2)
+UNIT_CAPSNET = dict(conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16, decoder=[512, 1024])
+PAPER_EPOCHS = 100                    # Table 1 (paper_results.yml: gu_epochs; checked in the chapter)
+UNIT_SMOKE = dict(dataset="embedded", epochs=1, batch_size=32, train=256, val=100, test=200, probe_digits=32,
+                  second_term_digits=8,
+                  capsnet=dict(conv_channels=8, primary_types=2, primary_dim=8, digit_dim=16, decoder=[32, 64]))
+
+
+def unit_build(unit, smoke: bool = False):
+    """The unit's untrained CapsNet (weights drawn after ``torch.manual_seed(unit.seed)``, as the chapter)."""
+    from ..models import CapsNet
+
+    cfg = unit.config
+    sizes = UNIT_SMOKE["capsnet"] if smoke else cfg["capsnet"]
+    detach, iterations = UNIT_VARIANTS[cfg["variant"]]
+    return CapsNet(image_size=cfg["image_size"], conv_channels=sizes["conv_channels"],
+                   primary_types=sizes["primary_types"], primary_dim=sizes["primary_dim"],
+                   primary_stride=cfg["primary_stride"], digit_dim=sizes["digit_dim"],
+                   decoder=tuple(sizes["decoder"]), iterations=iterations, detach=detach)
+
+
+def unit_loss(recon_weight: float):
+    from ..models import capsnet_loss
+
+    def loss_fn(model, x, y):
+        out = model(x, y)
+        return capsnet_loss(out, x, y, recon_weight), out.lengths
+    return loss_fn
+
+
+def unit_probe(unit) -> dict:
+    """One training step of the unit's network at full size in float64 on the CPU (weights drawn from
+    seed 0, four seeded random images of the unit's size, its routing and loss): loss and per-parameter
+    gradient norms."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = unit_build(unit, smoke=False)
+    finally:
+        torch.set_default_dtype(previous)
+    size = unit.config["image_size"]
+    x = torch.rand(4, 1, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = torch.tensor([0, 3, 7, 9])
+    loss, _ = unit_loss(unit.config["recon_weight"])(net, x, y)
+    loss.backward()
+    out = {"loss": loss.item(), "x_sum": x.sum().item()}
+    out.update({f"grad:{n}": p.grad.norm().item() for n, p in net.named_parameters() if p.grad is not None})
+    return out
+
+
+def _unit_data(unit, device, smoke: bool):
+    """Training digits, validation digits, the probe batch and the named test sets, on ``device``."""
+    from .. import data
+
+    cfg = unit.config
+    splits = data.load(UNIT_SMOKE["dataset"] if smoke else cfg["dataset"], seed=cfg["split_seed"])
+    tr, val, te = splits["train"], splits["val"], splits["test"]
+    if smoke:
+        tr, val, te = tr.subset(UNIT_SMOKE["train"], seed=unit.seed), val.subset(UNIT_SMOKE["val"]), te.subset(UNIT_SMOKE["test"])
+    elif (len(tr), len(val)) != (cfg["train_images"], cfg["validation"]):
+        raise ValueError(f"{unit.key}: expected {cfg['train_images']:,} training and {cfg['validation']:,} validation "
+                         f"digits; got {len(tr):,} and {len(val):,} (a smoke setting in the environment?)")
+    probe = val.subset(UNIT_SMOKE["probe_digits"] if smoke else cfg["probe_digits"], seed=cfg["probe_seed"])
+    if cfg["data"] == "expanded":
+        size = cfg["image_size"]
+        tr = data.Split(data.expand(tr.x, size=size, max_shift=cfg["max_shift"], seed=cfg["expand_seed"]), tr.y)
+        val = data.Split(data.pad_to(val.x, size), val.y)
+        probe = data.Split(data.pad_to(probe.x, size), probe.y)
+        tests = {"centred": data.Split(data.pad_to(te.x, size), te.y),
+                 "affine": data.Split(data.affine(te.x, size=size, seed=cfg["affine_seed"]), te.y)}
+    else:
+        tests = {"test": te}
+    move = lambda s: data.Split(s.x.to(device), s.y.to(device))   # noqa: E731
+    return move(tr), move(val), move(probe), {k: move(s) for k, s in tests.items()}
+
+
+@torch.no_grad()
+def routing_effect(net, split, batch: int = 1000) -> tuple[dict, dict]:
+    """What routing does to the forward pass of a trained CapsNet on ``split``: the accuracy with
+    three iterations and with uniform couplings (K = 1) on the same votes, ||v^(3) - v^(1)|| / ||v^(1)||
+    per digit, and the last couplings' row entropy (nats) and polarisation."""
+    from ..coupling_gradient import polarization, relative_low
+    from ..routing import dynamic_routing
+
+    net.eval()
+    K = max(net.digit.iterations, UNIT_SCHEDULE["iterations"])
+    correct = {1: 0, K: 0}
+    ratios, ent, hist, pol = [], [], torch.zeros(50, dtype=torch.float64), []
+    for i in range(0, len(split), batch):
+        x, y = split.x[i:i + batch], split.y[i:i + batch]
+        u_hat = net.digit.votes(net.primary_capsules(x)).float()
+        v1, _ = dynamic_routing(u_hat, 1)
+        vK, c = dynamic_routing(u_hat, K)
+        for k, v in ((1, v1), (K, vK)):
+            correct[k] += int((v.norm(dim=-1).argmax(1) == y).sum())
+        ratios.append(((vK - v1).flatten(1).norm(dim=1) / v1.flatten(1).norm(dim=1).clamp_min(1e-30)).double().cpu())
+        ent.append((-(c * c.clamp_min(1e-30).log()).sum(-1)).mean(1).double().cpu())    # per digit
+        hist += torch.histc(c.double().cpu(), bins=50, min=0, max=1)
+        pol.append(polarization(c, high=0.9, low=relative_low(c.shape[-1])))
+    r, e = torch.cat(ratios), torch.cat(ent)
+    J = net.digit.out_caps
+    n = len(split)
+    metrics = {"iterations": K, "accuracy_routed": correct[K] / n, "accuracy_K1": correct[1] / n,
+               "accuracy_K1_minus_routed": (correct[1] - correct[K]) / n,
+               "v_change_mean": float(r.mean()), "v_change_median": float(r.median()),
+               "row_entropy_nats": float(e.mean()), "log_J": math.log(J),
+               "row_entropy_over_log_J": float(e.mean()) / math.log(J),
+               "frac_high": float(np.mean([p["frac_high"] for p in pol])),
+               "frac_low": float(np.mean([p["frac_low"] for p in pol]))}
+    from .units import encode_array
+    return metrics, {"coupling_hist": encode_array(hist), "v_change_hist": encode_array(
+        torch.histc(r.clamp(0, 2), bins=40, min=0, max=2))}
+
+
+def _second_term(net, probe, digits: int) -> dict:
+    """The second term's share of the votes' gradient (GT1) on the first ``digits`` probe digits, in
+    float64, for routing with three iterations on the trained votes."""
+    from .. import coupling_gradient as cg
+    from ..ops import margin_loss
+    from ..routing import dynamic_routing
+
+    net.eval()
+    K = UNIT_SCHEDULE["iterations"]
+    with torch.no_grad():
+        u_hat = net.digit.votes(net.primary_capsules(probe.x[:digits])).double()
+    u = u_hat.clone().requires_grad_(True)
+    v, _ = dynamic_routing(u, K)
+    (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), probe.y[:digits]), v)
+    return {"ratio": cg.second_term_ratio(u_hat, gv, K), "digits": int(min(digits, len(probe)))}
+
+
+def unit_run(unit, device: torch.device, smoke: bool) -> dict:
+    """Train the unit's network (see the notes above the unit declarations) and measure it."""
+    import os
+
+    from .. import train
+    from .units import encode_array
+
+    cfg = unit.config
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    tr, val, probe, tests = _unit_data(unit, device, smoke)
+    epochs = UNIT_SMOKE["epochs"] if smoke else cfg["epochs"]
+    torch.manual_seed(unit.seed)
+    net = unit_build(unit, smoke).to(device)
+    watch = CouplingProbe(probe.x, probe.y, every=10 ** 9, recon_weight=cfg["recon_weight"])
+    watch.start(net)
+    history = train.fit(net, tr, unit_loss(cfg["recon_weight"]), epochs=epochs,
+                        batch_size=UNIT_SMOKE["batch_size"] if smoke else cfg["batch_size"], lr=cfg["lr"],
+                        lr_decay=cfg["lr_decay"], val=val, seed=unit.seed, amp=False, progress=True,
+                        on_epoch_end=watch.on_epoch_end, eval_batch_size=cfg["eval_batch"], desc=unit.key,
+                        fast="static" if os.environ.get("CAPSBOOK_NO_GRAPH", "").strip() not in ("", "0") else True)
+    metrics = {"variant": cfg["variant"], "epochs": epochs, "train_images": len(tr), "data": cfg["data"],
+               "final_val_accuracy": history["val_acc"][-1], "final_train_accuracy": history["train_acc"][-1],
+               "images_per_s_median": float(np.median(history["images_per_s"])),
+               "seconds_per_epoch_median": train.seconds_per_epoch(history),
+               "step_path": history.get("step_path"), "step_path_reason": history.get("step_path_reason")}
+    arrays = {}
+    for name, split in tests.items():
+        metrics[f"{name}_accuracy"] = train.evaluate(net, split, batch_size=cfg["eval_batch"])
+        metrics[f"{name}_images"] = len(split)
+        m, a = routing_effect(net, split, cfg["eval_batch"])
+        metrics[f"{name}_routing"] = m
+        arrays.update({f"{name}_{k}": v for k, v in a.items()})
+    metrics["second_term"] = _second_term(net, probe, UNIT_SMOKE["second_term_digits"] if smoke
+                                          else cfg["second_term_digits"])
+    hist = {k: v for k, v in history.items() if isinstance(v, list)}
+    hist["coupling_by_epoch"] = {k: list(v) for k, v in watch.by_epoch.items()}
+    return {"metrics": metrics, "history": hist, "arrays": arrays}
+
+
+def _unit_config(data_kind: str, variant: str) -> dict:
+    cfg = {**UNIT_SCHEDULE, "data": data_kind, "variant": variant, "capsnet": UNIT_CAPSNET, "image_size": 28,
+           "primary_stride": 2}
+    if data_kind == "expanded":
+        cfg.update(epochs=UNIT_EXPANDED["epochs"], image_size=UNIT_EXPANDED["size"],
+                   max_shift=UNIT_EXPANDED["max_shift"], expand_seed=UNIT_EXPANDED["expand_seed"],
+                   affine_seed=UNIT_EXPANDED["affine_seed"], primary_stride=UNIT_EXPANDED["primary_stride"])
+    return cfg
+
+
+def _register_units() -> None:
+    from .units import Unit, register
+
+    for s in UNIT_SEEDS:
+        for i, (data_kind, family) in enumerate((("mnist", "capsnet28"), ("expanded", "capsnet40"))):
+            for k, variant in enumerate(UNIT_VARIANTS):
+                cfg = _unit_config(data_kind, variant)
+                # training digits, plus the probe's two passes (full and detached) on its batch after every epoch
+                images = cfg["epochs"] * (cfg["train_images"] + (2 * cfg["probe_digits"]))
+                register(Unit("04", f"{data_kind}/{variant}", s, unit_run, cfg, unit_probe, family, images,
+                              10 + 10 * s + 3 * i + k,
+                              f"{VARIANT_LABELS[variant]}, {'28x28 MNIST' if data_kind == 'mnist' else 'expanded MNIST (40x40)'}, "
+                              f"{cfg['epochs']} epochs: test accuracy, accuracy with uniform couplings, "
+                              f"||v3 - v1|| / ||v1||, coupling entropy" +
+                              ("; gradient probe by epoch" if data_kind == "mnist" else "; affNIST-style test; gradient probe by epoch")))
+
+
+_register_units()
+
+
+# ----------------------------------------------------------------------------- the chapter's paper-scale views
+
+def unit_groups(data_kind: str = "mnist", smoke: bool = False):
+    """One group per routing variant (full, detached, uniform) of ``data_kind`` ("mnist", "expanded")."""
+    from .units import group
+
+    where = "28×28 digits" if data_kind == "mnist" else "expanded MNIST"
+    return [group(f"04/{data_kind}/{v}", f"{VARIANT_LABELS[v]} on {where}", smoke) for v in UNIT_VARIANTS]
+
+
+def _spread(values, fmt: str) -> str:
+    """Mean (± SD over the seeds when there are two or more); "not yet run" for none."""
+    if not values:
+        return "not yet run"
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
+
+
+def _paired(group, ref, get) -> str:
+    """``group`` minus ``ref`` seed by seed: mean ± SD and how many seeds have each sign."""
+    a = {r["seed"]: float(get(r)) for r in group.results}
+    b = {r["seed"]: float(get(r)) for r in ref.results}
+    d = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+    if not d:
+        return "–"
+    return f"{_spread(d, '+.4f')} ({sum(x > 0 for x in d)} up, {sum(x < 0 for x in d)} down)"
+
+
+def variants_frame(groups, test: str = "test"):
+    """The three variants on one test set: accuracy (mean ± SD over the seeds run), its paired difference
+    to full-gradient routing, the same trained weights with uniform couplings (K = 1), how far routing
+    moves the output, the couplings' row entropy against ln J and the second term's share."""
+    import pandas as pd
+
+    full = groups[0]
+    rows = []
+    for v, g in zip(UNIT_VARIANTS, groups):
+        r = lambda k: [res["metrics"][f"{test}_routing"][k] for res in g.results]   # noqa: E731
+        acc = [res["metrics"][f"{test}_accuracy"] for res in g.results]
+        cells = [_spread(acc, ".4f"),
+                 "–" if v == "full" else _paired(g, full, lambda res: res["metrics"][f"{test}_accuracy"]),
+                 _spread(r("accuracy_K1_minus_routed"), "+.4f"), _spread(r("v_change_mean"), ".3f"),
+                 _spread(r("row_entropy_over_log_J"), ".4f"),
+                 _spread([res["metrics"]["second_term"]["ratio"] for res in g.results], ".3f")]
+        if not g.results:
+            cells = ["not yet run"] + ["–"] * 5
+        rows.append((VARIANT_LABELS[v], *cells, len(g.results)))
+    cols = ["test accuracy", "minus full gradient (same seed)", "K = 1 minus K = 3, same weights",
+            "‖v⁽³⁾ − v⁽¹⁾‖ / ‖v⁽¹⁾‖", "row entropy / ln J", "second term's share", "seeds"]
+    return pd.DataFrame(rows, columns=["routing", *cols]).set_index("routing")
+
+
+def draw_training(groups, title: str = "28×28 digits"):
+    """Over the epochs, for each variant with results (mean over its seeds, band from the lowest to the
+    highest seed): the relative difference of the full and detached gradients of W, and the couplings'
+    row entropy on the probe digits against ln J."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    fig, axes = plt.subplots(2, 1, figsize=(COLUMN_IN, 5.6), sharex=True, layout="constrained")
+    drawn = 0
+    for k, (v, g) in enumerate(zip(UNIT_VARIANTS, groups)):
+        if not g.results:
+            continue
+        runs = [r["history"]["coupling_by_epoch"] for r in g.results]
+        ep = np.array(runs[0]["epoch"])
+        for ax, key in zip(axes, ("rel_diff", "entropy")):
+            c = np.array([r[key] for r in runs])
+            ax.plot(ep, c.mean(0), "-", color=f"C{k}",
+                    label=f"{VARIANT_LABELS[v]} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+            ax.fill_between(ep, c.min(0), c.max(0), color=f"C{k}", alpha=0.15)
+        drawn += 1
+    if not drawn:
+        raise ValueError("draw_training needs at least one result")
+    axes[0].set_ylabel("$\\|g_{\\mathrm{full}} - g_{\\mathrm{det}}\\| \\,/\\, \\|g_{\\mathrm{full}}\\|$")
+    axes[1].axhline(math.log(10), color="gray", ls="--", lw=0.8, label="$\\ln J$")
+    axes[1].set_ylabel("mean row entropy of $c_{ij}$ (nats)")
+    axes[1].set_ylim(0, 1.1 * math.log(10))
+    axes[1].set_xlabel("epoch (0 = initialisation)")
+    axes[1].legend(fontsize=9)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Probe digits after every epoch, {title}", fontsize=10)
+    return fig
+
+
+def draw_couplings(groups, test: str = "test"):
+    """Histogram of the trained networks' last couplings $c_{ij}$ on the test digits, one line per
+    variant (its first seed), against the uniform $1/J$."""
+    import matplotlib.pyplot as plt
+
+    from .units import decode_array
+    from .viz import COLUMN_IN
+
+    fig, ax = plt.subplots(figsize=(COLUMN_IN * 0.8, 3.2), layout="constrained")
+    drawn = 0
+    for k, (v, g) in enumerate(zip(UNIT_VARIANTS, groups)):
+        if not g.results:
+            continue
+        res = sorted(g.results, key=lambda r: r["seed"])[0]
+        h = decode_array(res["arrays"][f"{test}_coupling_hist"]).astype(float)
+        edges = np.linspace(0, 1, len(h) + 1)
+        ax.step(edges[:-1], h / h.sum(), where="post", color=f"C{k}", label=f"{VARIANT_LABELS[v]}, seed {res['seed']}")
+        drawn += 1
+    if not drawn:
+        raise ValueError("draw_couplings needs at least one result")
+    ax.axvline(0.1, color="k", ls=":", lw=1, label="$1/J$")
+    ax.set_yscale("log")
+    ax.set_xlabel("coupling $c_{ij}$ after three iterations")
+    ax.set_ylabel("fraction of couplings")
+    ax.legend(fontsize=8)
     return fig

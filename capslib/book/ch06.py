@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -269,3 +270,333 @@ def draw_parse_tree(G, ax=None, title: str | None = None, cmap: str = "viridis")
     if title:
         ax.set_title(title)
     return ax
+
+
+# ============================================================================= paper scale as experiment units
+#
+# The trainings chapter 6's paper-scale claims rest on, one unit per configuration and seed (see
+# :mod:`capslib.book.units`), on all 55,000 training digits at the paper's sizes (DR-CapsNet without
+# decoder, batch 128, Adam 1e-3 decayed by 0.99 per epoch, K = 11):
+#
+# - ``06/vanilla/s<k>``: the unpruned network. Measured on the 10,000 test digits: accuracy with float
+#   and with quantized couplings, and the parse-tree entropy, its Miller-Madow correction, keys per
+#   class and the share of couplings at the level 1/J, for every K of the sweep; accuracy and
+#   entropy at K = 11 after every epoch.
+# - ``06/pruned/s<k>``: four networks from the same seed, one after the other: REM (LOBSTER during
+#   training, the gate normalised per tensor), then magnitude pruning alone ("IMP") and weight decay
+#   (LOBSTER's shrinkage without its gate), each pruned by magnitude to the sparsity REM reached after
+#   the same epoch, then SNIP at REM's final sparsity. One unit, because the controls are matched to
+#   REM's sparsities: it needs no result of another unit. The same measurements per network, plus
+#   its sparsity after every epoch, the share of gated weights, and the class-capsule weight blocks
+#   W_ij that are entirely zero and the capsules all of whose blocks are (silenced).
+#
+# Schedule: UNIT_SCHEDULE["epochs"] epochs per network (the `full` profile's) where the paper stops
+# early with a patience of 200 epochs: four networks of that length fit one unit.
+
+UNIT_SEEDS = tuple(range(5))          # the paper's five runs
+UNIT_METHODS = ("REM (LOBSTER)", "IMP", WEIGHT_DECAY, "SNIP")
+UNIT_LEVELS = (2, 3, 5, 7, 9, 11, 16, 21, 31, 65, 129)
+UNIT_SCHEDULE = dict(version=1, dataset="mnist", split_seed=0, validation=5000, train_images=55_000, epochs=15,
+                     batch_size=128, lr=1e-3, lr_decay=0.99, levels=11, levels_sweep=list(UNIT_LEVELS),
+                     lobster_lambda=1e-4, lobster_decay=0.99, lobster_tolerance=0.0, search_steps=12,
+                     lobster_sensitivity="max", snip_batch=512, eval_batch=250, test_images=10_000,
+                     precision="float32 weights and activations, TF32 products and convolutions",
+                     step="fit's fast path where no pruning hook runs between backward and step (vanilla, "
+                          "SNIP: whole batches, fused Adam, a CUDA graph where the capture works); the "
+                          "eager step where one does (REM, IMP, weight decay)")
+UNIT_CAPSNET = dict(conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16, iterations=3)
+UNIT_SMOKE = dict(dataset="embedded", epochs=1, batch_size=32, train=256, val=100, test=200, snip_batch=64,
+                  search_steps=3, capsnet=dict(conv_channels=8, primary_types=2, primary_dim=8, digit_dim=8,
+                                               iterations=3))
+
+
+def _unit_sizes(unit, smoke: bool):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**(UNIT_SMOKE["capsnet"] if smoke else unit.config["capsnet"]))
+
+
+def unit_probe(unit) -> dict:
+    """One training step of the unit's first network at full size in float64 on the CPU (weights drawn
+    from seed 0, four seeded random digits, the margin loss): loss and per-parameter gradient norms; for
+    ``06/pruned`` also how far LOBSTER's gated shrinkage moves each pruned tensor in that step."""
+    from ..pruning import lobster_step
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = make_capsnet(_unit_sizes(unit, False), 0)
+    finally:
+        torch.set_default_dtype(previous)
+    x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = torch.tensor([0, 3, 7, 9])
+    loss, _ = margin_loss_fn(net, x, y)
+    loss.backward()
+    out = {"loss": loss.item(), "x_sum": x.sum().item()}
+    out.update({f"grad:{n}": p.grad.norm().item() for n, p in net.named_parameters() if p.grad is not None})
+    if unit.config["kind"] == "pruned":
+        params = prunable(net)
+        before = [getattr(m, n).detach().clone() for m, n in params]
+        with torch.no_grad():
+            lobster_step(params, unit.config["lobster_lambda"], unit.config["lobster_sensitivity"])
+        for (m, n), b in zip(params, before):
+            out[f"shrink:{type(m).__name__}.{n}"] = float((getattr(m, n).detach() - b).norm())
+    return out
+
+
+@torch.no_grad()
+def weight_blocks(net) -> dict:
+    """The class-capsule weights ``W (I, J, D_out, D_in)`` block by block: the share of blocks W_ij that
+    are entirely zero, and how many input capsules have every block zero (silenced: c_ij = 1/J)."""
+    from ..pruning import effective_weight
+
+    d = net.digit
+    W = effective_weight(d, "W") if hasattr(d, "W_orig") else d.W
+    zero = W.flatten(2).abs().amax(-1) == 0                   # (I, J)
+    return {"zero_blocks": float(zero.float().mean()), "silenced_capsules": int(zero.all(1).sum()),
+            "input_capsules": int(W.shape[0])}
+
+
+def unit_measure(net, test, levels, K: int = 11) -> tuple[dict, dict]:
+    """A trained network on the test digits: float and quantized accuracy, entropy (plug-in and
+    Miller-Madow), its ceiling, keys per class and the share of couplings at the level 1/J, for every K
+    in ``levels``; the histogram of the couplings to the predicted class at ``K``."""
+    from ..rem import entropy_ceiling
+    from .units import encode_array
+
+    sw = level_sweep(net, test, levels)
+    J = net.digit.out_caps
+    by_K = {}
+    for k in levels:
+        r = sw[k]
+        ceiling = float(entropy_ceiling(r["predicted"], J).mean())
+        by_K[str(k)] = {"accuracy": r["accuracy"], "entropy": r["entropy"], "entropy_mm": r["entropy_mm"],
+                        "ceiling": ceiling, "keys_mean": float(np.mean(r["keys"])), "keys": r["keys"]}
+        if (k - 1) % J == 0:
+            by_K[str(k)]["share_uniform_level"] = float((r["codes"] == (k - 1) // J).float().mean())
+    m = {"float_accuracy": sw["float"]["accuracy"], "by_K": by_K, **weight_blocks(net)}
+    return m, {"coupling_hist": encode_array(torch.histc(sw[K]["c"].float().cpu(), bins=50, min=0, max=1))}
+
+
+def _unit_tracker(test, K):
+    def track(epoch, model, history):   # accuracy and entropy at K after every epoch, on the test digits
+        r = level_sweep(model, test, (K,))[K]
+        history.setdefault("entropy", []).append(r["entropy"])
+        history.setdefault("accuracy", []).append(r["accuracy"])
+    return track
+
+
+def unit_run(unit, device: torch.device, smoke: bool) -> dict:
+    """Train the unit's networks (see the notes above the unit declarations) and measure them."""
+    import os
+    import time
+
+    from .. import data, train
+    from ..pruning import LobsterPruner, MatchedPruner, prunable, set_mask, snip_masks, sparsity
+
+    cfg = unit.config
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    splits = data.load(UNIT_SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=cfg["split_seed"])
+    tr, val, test = splits["train"], splits["val"], splits["test"]
+    if smoke:
+        tr, val, test = tr.subset(UNIT_SMOKE["train"], seed=unit.seed), val.subset(UNIT_SMOKE["val"]), test.subset(UNIT_SMOKE["test"])
+    elif (len(tr), len(val), len(test)) != (cfg["train_images"], cfg["validation"], cfg["test_images"]):
+        raise ValueError(f"{unit.key}: expected {cfg['train_images']:,} training, {cfg['validation']:,} validation and "
+                         f"{cfg['test_images']:,} test digits; got {len(tr):,}, {len(val):,} and {len(test):,}")
+    S = _unit_sizes(unit, smoke)
+    epochs = UNIT_SMOKE["epochs"] if smoke else cfg["epochs"]
+    steps = UNIT_SMOKE["search_steps"] if smoke else cfg["search_steps"]
+    K, levels = cfg["levels"], tuple(cfg["levels_sweep"])
+    fast = "static" if os.environ.get("CAPSBOOK_NO_GRAPH", "").strip() not in ("", "0") else True
+    args = dict(epochs=epochs, batch_size=UNIT_SMOKE["batch_size"] if smoke else cfg["batch_size"], lr=cfg["lr"],
+                lr_decay=cfg["lr_decay"], predict=predict_lengths, seed=unit.seed, amp=False, progress=True,
+                eval_batch_size=cfg["eval_batch"], fast=fast)
+    nets, metrics, arrays, hist = {}, {"epochs": epochs, "train_images": len(tr), "test_images": len(test)}, {}, {}
+
+    def train_one(name, pruner=None, before=True, masks_for=None):
+        t0 = time.perf_counter()
+        net = make_capsnet(S, unit.seed, device)       # every network of a seed starts from the same weights
+        params = prunable(net)
+        if masks_for is not None:
+            for (module, pname), mask in zip(params, masks_for(net, params)):
+                set_mask(module, pname, mask)
+        pr = pruner(params) if pruner is not None else None
+        h = train.fit(net, tr, margin_loss_fn, before_step=pr.before_step if (pr is not None and before) else None,
+                      on_epoch_end=chain(pr.on_epoch_end if pr is not None else None, _unit_tracker(test, K)),
+                      desc=f"{unit.key} {name}", **args)
+        m, a = unit_measure(net, test, levels, K)
+        m.update(sparsity=sparsity(params) if (pr is not None or masks_for is not None) else 0.0,
+                 train_seconds=time.perf_counter() - t0, step_path=h.get("step_path"),
+                 step_path_reason=h.get("step_path_reason"),
+                 images_per_s_median=float(np.median(h["images_per_s"])))
+        if h.get("gate_active"):
+            m["gate_active_mean"] = {k: float(np.mean([g[k] for g in h["gate_active"]])) for k in ("raw", "applied")}
+        metrics[name] = m
+        arrays.update({f"{name}:{k}": v for k, v in a.items()})
+        hist[name] = {k: v for k, v in h.items() if isinstance(v, list)}
+        nets[name] = net
+        return h
+
+    if cfg["kind"] == "vanilla":
+        train_one("vanilla")
+    else:
+        rem_h = train_one("REM (LOBSTER)", lambda w: LobsterPruner(
+            w, val, lam=cfg["lobster_lambda"], decay=cfg["lobster_decay"], tolerance=cfg["lobster_tolerance"],
+            steps=steps, sensitivity=cfg["lobster_sensitivity"]))
+        path = list(rem_h["sparsity"])
+        # magnitude alone (its before_step does nothing without a shrinkage; the eager step keeps the
+        # computation the chapter's), then the shrinkage without the gate, both to REM's sparsities
+        train_one("IMP", lambda w: MatchedPruner(w, path, lam=0.0))
+        train_one(WEIGHT_DECAY, lambda w: MatchedPruner(w, path, lam=cfg["lobster_lambda"], decay=cfg["lobster_decay"],
+                                                         sensitivity="none"))
+        n_snip = UNIT_SMOKE["snip_batch"] if smoke else cfg["snip_batch"]
+        train_one("SNIP", masks_for=lambda net, params: snip_masks(net, params, margin_loss_fn, tr.x[:n_snip],
+                                                                   tr.y[:n_snip], path[-1]))
+        metrics["rem_sparsity_by_epoch"] = path
+    # the measured rate of the unit: training images over training seconds, epoch by epoch, every network
+    return {"metrics": metrics, "history": {**hist, "images_per_s": [r for h in hist.values() for r in h["images_per_s"]]},
+            "arrays": arrays}
+
+
+def _register_units() -> None:
+    from .units import Unit, register
+
+    base = {**UNIT_SCHEDULE, "capsnet": UNIT_CAPSNET}
+    E, n, val, test = base["epochs"], base["train_images"], base["validation"], base["test_images"]
+    track = E * test                                     # K = 11 on the test digits after every epoch
+    for s in UNIT_SEEDS:
+        register(Unit("06", "vanilla", s, unit_run, {**base, "kind": "vanilla"}, unit_probe, "capsnet28-nodecoder",
+                      E * n + track, 10 + 10 * s,
+                      "DR-CapsNet without decoder: accuracy (float, +Q), parse-tree entropy and keys for K = 2..129"))
+        # four trainings, LOBSTER's threshold search on the validation digits after each of REM's epochs,
+        # and each network's tracking (forward passes counted as whole training images: a long projection)
+        register(Unit("06", "pruned", s, unit_run, {**base, "kind": "pruned"}, unit_probe, "capsnet28-nodecoder",
+                      4 * (E * n + track) + E * base["search_steps"] * val, 11 + 10 * s,
+                      "REM, then IMP and weight decay at REM's sparsities, then SNIP at its final one: entropy, "
+                      "accuracy, sparsity, zero W_ij blocks, silenced capsules"))
+
+
+_register_units()
+
+
+# ----------------------------------------------------------------------------- the chapter's paper-scale views
+
+UNIT_ROWS = (("vanilla (+Q)", "06/vanilla", "vanilla"), ("REM (LOBSTER)", "06/pruned", "REM (LOBSTER)"),
+             (WEIGHT_DECAY, "06/pruned", WEIGHT_DECAY), ("IMP", "06/pruned", "IMP"), ("SNIP", "06/pruned", "SNIP"))
+
+
+def unit_groups(smoke: bool = False):
+    """The vanilla runs and the pruned runs (REM with its matched controls), each over its seeds."""
+    from .units import group
+    return [group("06/vanilla", "the unpruned DR-CapsNet", smoke),
+            group("06/pruned", "REM with its controls at matched sparsity", smoke)]
+
+
+def _runs(groups, prefix: str, name: str) -> dict:
+    """``{seed: metrics of network name}`` of the group under ``prefix``."""
+    g = next(g for g in groups if g.prefix == prefix)
+    return {r["seed"]: r["metrics"][name] for r in g.results}
+
+
+def _spread(values, fmt: str) -> str:
+    if not values:
+        return "not yet run"
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
+
+
+def unit_frame(groups, K: int = 11):
+    """Every network at K levels: mean ± SD over the seeds run of the quantized accuracy, the entropy (and
+    over its ceiling), keys per class, sparsity, the share of zero W_ij blocks and the silenced capsules,
+    and the entropy's paired difference to REM."""
+    import pandas as pd
+
+    rem = _runs(groups, "06/pruned", "REM (LOBSTER)")
+    rows = []
+    for label, prefix, name in UNIT_ROWS:
+        runs = _runs(groups, prefix, name)
+        at = lambda k: [m["by_K"][str(K)][k] for m in runs.values()]   # noqa: E731
+        both = sorted(set(runs) & set(rem))
+        cells = [_spread(at("accuracy"), ".4f"), _spread(at("entropy"), ".2f"),
+                 _spread([m["by_K"][str(K)]["entropy"] / m["by_K"][str(K)]["ceiling"] for m in runs.values()], ".2f"),
+                 _spread(at("keys_mean"), ".0f"), _spread([m["sparsity"] for m in runs.values()], ".3f"),
+                 _spread([m["zero_blocks"] for m in runs.values()], ".3f"),
+                 _spread([m["silenced_capsules"] for m in runs.values()], ".0f"),
+                 "–" if name == "REM (LOBSTER)" or not both else
+                 _spread([runs[s]["by_K"][str(K)]["entropy"] - rem[s]["by_K"][str(K)]["entropy"] for s in both], "+.2f")]
+        if not runs:
+            cells = ["not yet run"] + ["–"] * 7
+        rows.append((label, *cells, len(runs)))
+    cols = ["accuracy (+Q)", "entropy H (bits)", "H / its ceiling", "keys per class", "sparsity",
+            "zero blocks W_ij", "silenced capsules", "H minus REM's (same seed)", "seeds"]
+    return pd.DataFrame(rows, columns=["network", *cols]).set_index("network")
+
+
+def k_rule(levels, accuracy, tolerance: float) -> int:
+    """The paper's choice of K: the smallest number of levels whose accuracy is within ``tolerance`` of
+    the best over the sweep (where accuracy stops improving)."""
+    best = max(accuracy)
+    return next(k for k, a in zip(levels, accuracy) if a >= best - tolerance)
+
+
+def draw_levels(groups):
+    """Entropy (over its ceiling) and quantized accuracy against the number of levels K, mean over the
+    seeds run of each network."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    fig, (ax_h, ax_a) = plt.subplots(2, 1, figsize=(COLUMN_IN, 5.8), sharex=True, layout="constrained")
+    drawn = 0
+    for i, (label, prefix, name) in enumerate(UNIT_ROWS):
+        runs = list(_runs(groups, prefix, name).values())
+        if not runs:
+            continue
+        ks = sorted(int(k) for k in runs[0]["by_K"])
+        h = [np.mean([m["by_K"][str(k)]["entropy"] / m["by_K"][str(k)]["ceiling"] for m in runs]) for k in ks]
+        a = [100 * np.mean([m["by_K"][str(k)]["accuracy"] for m in runs]) for k in ks]
+        ax_h.plot(ks, h, "o-", ms=3, color=f"C{i}", label=f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+        ax_a.plot(ks, a, "o-", ms=3, color=f"C{i}")
+        drawn += 1
+    if not drawn:
+        raise ValueError("draw_levels needs at least one result")
+    for ax in (ax_h, ax_a):
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(UNIT_LEVELS, [str(k) for k in UNIT_LEVELS])
+        ax.grid(alpha=0.3)
+    ax_h.set_ylabel("$\\mathbb{H} \\,/\\, \\log_2 n_j$")
+    ax_a.set_ylabel("test accuracy, quantized (%)")
+    ax_a.set_xlabel("quantization levels $K$")
+    fig.legend(*ax_h.get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=8)
+    return fig
+
+
+def draw_entropy_accuracy(groups):
+    """Each network's path over the epochs in the plane of quantized test accuracy and entropy at
+    K = 11 (first seed run): networks compared at matched accuracy, not at matched epoch."""
+    import matplotlib.pyplot as plt
+
+    from .viz import COLUMN_IN
+
+    fig, ax = plt.subplots(figsize=(COLUMN_IN * 0.85, 3.8), layout="constrained")
+    drawn = 0
+    for i, (label, prefix, name) in enumerate(UNIT_ROWS):
+        g = next(g for g in groups if g.prefix == prefix)
+        if not g.results:
+            continue
+        res = sorted(g.results, key=lambda r: r["seed"])[0]
+        h = res["history"][name]
+        ax.plot(100 * np.array(h["accuracy"]), h["entropy"], "o-", ms=3, color=f"C{i}", label=f"{label}, seed {res['seed']}")
+        drawn += 1
+    if not drawn:
+        raise ValueError("draw_entropy_accuracy needs at least one result")
+    ax.set_xlabel("test accuracy, quantized, $K = 11$ (%)")
+    ax.set_ylabel("entropy $\\mathbb{H}$ (bits), $K = 11$")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_ROOT = Path(os.environ.get("CAPSBOOK_UNITS_RESULTS", "").strip() or ROOT / "book" / "results")
 
 # Chapters whose units are declared in ``capslib.book.ch<NN>`` (imported on first use).
-CHAPTERS = ("02", "03", "05", "07")
+CHAPTERS = ("02", "03", "04", "05", "06", "07")
 
 # Rates measured on one H100 (``book/results/bench/fit_rates_h100.json``: capslib.train.fit on chapter 2's
 # paper-size networks, each training its own process): images/s of one training alone, by network

@@ -255,7 +255,10 @@ def _test_files(tests_dir: str | None) -> frozenset[str]:
 
 
 def install(names: Iterable[str], tests_dir: str | None = None) -> None:
-    """Stub every capslib callable in ``names`` (see the module docstring) until :func:`uninstall`.
+    """Stub every capslib callable in ``names`` (see the module docstring) until the guard is lifted.
+
+    There is no public way to lift it: :func:`guarded` lifts its own guard when its block ends
+    (for the tests); under otter the guard lasts as long as the grading process.
 
     Args:
         names: dotted names of capslib functions, classes, methods or modules.
@@ -267,7 +270,7 @@ def install(names: Iterable[str], tests_dir: str | None = None) -> None:
     if isinstance(names, str) or not names or not all(isinstance(n, str) for n in names):
         raise ValueError(f"names must be a non-empty list of dotted capslib names; got {names!r}")
     if _GUARD is not None:
-        raise RuntimeError("capslib.tools.grading: a guard is already installed; uninstall() it first")
+        raise RuntimeError("capslib.tools.grading: a guard is already installed")
     guard = _Guard(names=names, tests_dir=tests_dir, test_files=_test_files(tests_dir))
     targets: list[tuple[str, types.FunctionType]] = []
     for name in names:
@@ -297,12 +300,18 @@ def install(names: Iterable[str], tests_dir: str | None = None) -> None:
     _GUARD = guard
 
 
-def uninstall() -> None:
-    """Give every stubbed function its code back (a no-op when no guard is installed)."""
+def _uninstall(guard: _Guard) -> None:
+    """Give every function ``guard`` stubbed its code back, if ``guard`` is still the installed one.
+
+    Private, and only for :func:`guarded`, which installed the guard (issue 35: a public
+    ``uninstall()`` let a submission switch the guard off). Not a wall: a submission that reaches it
+    must import capslib, which :mod:`capslib.tools.grading_scan` flags, and the module's state
+    stays reachable by introspection (see the threat model above).
+    """
     global _GUARD
-    guard, _GUARD = _GUARD, None
-    if guard is None:
-        return
+    if guard is None or _GUARD is not guard:
+        raise RuntimeError("capslib.tools.grading: only the guarded() block that installed a guard may lift it")
+    _GUARD = None
     for fn, code in guard.stubbed.values():
         fn.__code__ = code
     if guard.finder in sys.meta_path:
@@ -318,10 +327,11 @@ def installed() -> tuple[str, ...]:
 def guarded(names: Iterable[str], tests_dir: str | None = None) -> Iterator[None]:
     """``install`` for the duration of a ``with`` block."""
     install(names, tests_dir)
+    guard = _GUARD
     try:
         yield
     finally:
-        uninstall()
+        _uninstall(guard)
 
 
 # ----------------------------------------------------------------------------- reference values

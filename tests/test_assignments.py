@@ -275,10 +275,16 @@ def _otter_grade(submission: Path, zip_path: Path) -> dict:
     return json.loads(lines[-1][len("RESULTS"):])
 
 
-def test_otter_grades_the_zip(tmp_path):
+@pytest.fixture(scope="module")
+def otter_built(tmp_path_factory):
+    """The assignment graded through otter's runner, built once: (master, out, zip)."""
     master = next(m for m in MASTERS if m.stem == OTTER_GRADED)
-    out = tmp_path / "built"
-    zip_path = grading.build(master, out)
+    out = tmp_path_factory.mktemp("otter_built")
+    return master, out, grading.build(master, out)
+
+
+def test_otter_grades_the_zip(tmp_path, otter_built):
+    master, out, zip_path = otter_built
     cfg = _config(out)
     solved = out / "autograder" / master.name
     pairs = grading.delegates(cfg)
@@ -314,7 +320,37 @@ def test_otter_grades_the_zip(tmp_path):
         for fn, route in plan.items():
             for q in _questions_using(tests_dir, fn):
                 assert r[q]["score"] == 0, (route, fn, q, r[q])
-                assert all("DelegationError" in m for m in r[q]["messages"]), (route, fn, q, r[q]["messages"])
+                # the run-time guard's failures (the static scan adds its own entry: see the next test)
+                guard_msgs = [m for m in r[q]["messages"] if not m.startswith(f"{q} scores 0: the static scan")]
+                assert guard_msgs and all("DelegationError" in m for m in guard_msgs), (route, fn, q, r[q]["messages"])
+
+
+def test_otter_zeroes_what_the_static_scan_flags(tmp_path, otter_built):
+    """The master with one added line, ``import capslib as _c`` inside one graded function (harmless at
+    run time: nothing guarded is called): the static scan zeroes the questions whose tests use that
+    function, with the finding in their report, and only those (the unmodified master's full marks are
+    checked on the same zip in test_otter_grades_the_zip)."""
+    master, out, zip_path = otter_built
+    solved = out / "autograder" / master.name
+    tests_dir = out / "autograder" / "tests"
+    fns = sorted(fn for fn in grading.delegates(_config(out))
+                 if any(c.lstrip().startswith(f"def {fn}(") for c in _code_cells(solved)))
+    fn = next(f for f in fns if _questions_using(tests_dir, f) != {p.stem for p in tests_dir.glob("q*.py")})
+    nb = nbformat.read(solved, 4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith(f"def {fn}("))
+    head, body = cell.source.split("\n", 1)
+    cell.source = f"{head}\n    import capslib as _c\n{body}"
+    d = tmp_path / "flagged"
+    d.mkdir()
+    nbformat.write(nb, d / master.name)
+    r = _otter_grade(d / master.name, zip_path)
+    hit = _questions_using(tests_dir, fn)
+    assert hit and set(r) - hit, (fn, hit, r)
+    for q in hit:
+        assert r[q]["possible"] > 0 and r[q]["score"] == 0, (q, r[q])
+        assert any("static scan" in m and "imports capslib" in m and fn in m for m in r[q]["messages"]), r[q]
+    for q in set(r) - hit:
+        assert r[q]["score"] == r[q]["possible"] > 0 and not r[q]["messages"], (q, r[q])
 
 
 # ----------------------------------------------------------------------------- the student edition check

@@ -430,24 +430,101 @@ del _capslib_grading
 
 
 class NoDelegation(AbstractOtterPlugin):
-    """Otter plugin: grade with the configured capslib callables stubbed (see the module docstring).
+    """Otter plugin: grade with the configured capslib callables stubbed (see the module docstring),
+    and score 0 on every question that the static scan (:mod:`capslib.tools.grading_scan`) flags.
 
-    ``before_execution`` puts a cell that calls :func:`install` before the submission's first
-    cell; otter's own set-up cell still comes first, so the guard is in place before any student
-    code or ``grader.check`` runs.
+    ``before_execution`` scans the submission's code cells as submitted (before anything runs), then
+    puts a cell that calls :func:`install` before the submission's first cell; otter's own set-up
+    cell still comes first, so the guard is in place before any student code or ``grader.check``
+    runs. ``after_grading`` sets each flagged question to 0 and adds the findings to its report:
+
+    * a finding of autograd in a function the assignment forbids it in (``no_autograd``) hits the
+      questions whose tests use that function;
+    * a finding inside a top-level function ``f`` hits the questions whose tests use a name that
+      reaches ``f`` (``f`` itself, or a graded function that calls it); one that no tested name
+      reaches, and one at top level (a capslib import, ``exec``, patching a module), hits every
+      autograded question.
+
+    Configuration beside ``guard`` (written by :func:`build`, from the master): ``allowed_imports``,
+    the capslib import statements the assignment hands out, and ``no_autograd``, the graded
+    functions whose question forbids autograd.
     """
 
     def __init__(self, submission_path, submission_metadata, plugin_config):
         super().__init__(submission_path, submission_metadata, plugin_config)
         self.names = _guard_names(plugin_config)
+        self.allowed = tuple(plugin_config.get("allowed_imports", ()))
+        self.no_autograd = tuple(plugin_config.get("no_autograd", ()))
+        self.findings: list[tuple[Any, str | None]] = []   # (Finding, forbidden function or None)
+        self.cells: list[str] = []
+
+    def scan(self, cells: list[str]) -> None:
+        from capslib.tools.grading_scan import scan_cells
+        self.cells = list(cells)
+        self.findings = [(f, None) for f in scan_cells(self.cells, (), allowed=self.allowed)]
+        for fn in self.no_autograd:
+            self.findings += [(f, fn) for f in scan_cells(self.cells, {f"autograd:{fn}"}, allowed=self.allowed)
+                              if f.kind == "autograd"]
 
     def before_execution(self, submission):
         source = GUARD_CELL.format(names=list(self.names))
         if isinstance(submission, str):
+            self.scan([submission])
             return source + "\n" + submission
         import nbformat
+        self.scan([c.source for c in submission.cells if c.cell_type == "code"])
         submission.cells.insert(0, nbformat.v4.new_code_cell(source))
         return submission
+
+    def affected(self, tests: dict[str, set[str]]) -> dict[str, list[str]]:
+        """Question -> the findings' text that zero it, given each question's names used by its tests."""
+        from capslib.tools.grading_scan import reachable_definitions
+        reach = {q: set().union(*(reachable_definitions(self.cells, n) for n in names)) if names else set()
+                 for q, names in tests.items()}
+        out: dict[str, list[str]] = {}
+        for finding, fn in self.findings:
+            if fn is not None:
+                hit = [q for q, names in tests.items() if fn in names]
+            elif finding.function is not None:
+                hit = [q for q, defs in reach.items() if finding.function in defs]
+            else:
+                hit = []
+            for q in hit or list(tests):
+                out.setdefault(q, []).append(str(finding))
+        return out
+
+    def after_grading(self, results):
+        if not self.findings:
+            return
+        from otter.test_files.abstract_test import TestCase, TestCaseResult
+        tests = {q: _names_used(getattr(tf, "path", None)) for q, tf in results.results.items()}
+        affected = self.affected(tests)
+        lines = []
+        for q, texts in affected.items():
+            reason = (f"{q} scores 0: the static scan of the submission flagged\n"
+                      + "\n".join(f"  - {t}" for t in texts))
+            tf = results.results[q]
+            tf.test_case_results.append(TestCaseResult(
+                test_case=TestCase(name="static scan (capslib.tools.grading_scan)", body="", hidden=False,
+                                   points=0, success_message=None, failure_message=None),
+                message=reason, passed=False))
+            results.update_score(q, 0)
+            lines.append(reason)
+        text = "\n\n".join(lines)
+        results.set_output(text if not results.output else results.output + "\n\n" + text)
+        results.set_plugin_data("capslib.tools.grading.NoDelegation", {q: list(t) for q, t in affected.items()})
+
+
+def _names_used(path: str | None) -> set[str]:
+    """The names a test file refers to (its test functions' parameters and the names it reads)."""
+    import ast
+    if not path or not Path(path).is_file():
+        return set()
+    tree = ast.parse(Path(path).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+              for a in n.posonlyargs + n.args + n.kwonlyargs}
+    return names
 
 
 def delegates(config: dict) -> dict[str, str]:
@@ -493,6 +570,12 @@ def build(master: str | Path, out: str | Path) -> Path:
                            f"(is 'generate' set in its ASSIGNMENT CONFIG?); found {made}")
     target = out / "autograder" / f"{master.stem}-autograder.zip"
     made[0].rename(target)
+    config_text = _scan_config(out / "autograder" / "otter_config.json", out / "student" / master.name, master.stem)
+    with zipfile.ZipFile(target) as zf:   # the zip's otter_config.json gets the scan's configuration too
+        entries = [(info, zf.read(info)) for info in zf.infolist()]
+    with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for info, data in entries:
+            zf.writestr(info, config_text if info.filename == "otter_config.json" else data)
     sources = sorted(Path(_CAPSLIB_DIR).rglob("*.py"))  # the subpackages (book, tools) too
     with zipfile.ZipFile(target, "a", compression=zipfile.ZIP_DEFLATED) as zf:
         for p in sources:
@@ -500,6 +583,33 @@ def build(master: str | Path, out: str | Path) -> Path:
             zf.write(p, arcname=f"capslib/{rel}")
             zf.write(p, arcname=f"files/capslib/{rel}")
     return target
+
+
+def _scan_config(config_path: Path, student: Path, stem: str) -> str:
+    """Add the static scan's settings to NoDelegation's entry in ``config_path``; the new JSON text.
+
+    ``allowed_imports``: the capslib imports in the student notebook's code (what the assignment hands
+    out); ``no_autograd``: :data:`capslib.tools.grading_scan.NO_AUTOGRAD` for this assignment.
+    """
+    import json
+
+    import nbformat
+
+    from capslib.tools.grading_scan import NO_AUTOGRAD, allowed_imports
+
+    cfg = json.loads(config_path.read_text())
+    given = [c.source for c in nbformat.read(student, as_version=4).cells if c.cell_type == "code"]
+    entries = [p for p in cfg.get("plugins", []) if isinstance(p, dict) and _PLUGIN in p]
+    if len(entries) != 1:
+        raise RuntimeError(f"{config_path}: expected one {_PLUGIN} plugin entry; found {len(entries)}")
+    entries[0][_PLUGIN]["allowed_imports"] = sorted(allowed_imports(given))
+    entries[0][_PLUGIN]["no_autograd"] = list(NO_AUTOGRAD.get(stem, ()))
+    text = json.dumps(cfg, indent=2)
+    config_path.write_text(text)
+    return text
+
+
+_PLUGIN = "capslib.tools.grading.NoDelegation"
 
 
 # ----------------------------------------------------------------------------- the student edition

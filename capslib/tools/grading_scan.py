@@ -322,3 +322,15 @@ def scan_cells(cells: Iterable[str], forbidden: Iterable[str] = frozenset(), *,
         i = max(k for k, s in enumerate(starts) if s <= f.line)
         out.append(Finding(f.line - starts[i] + 1, f.reason, i, f.function, f.kind))
     return out
+
+
+def reachable_definitions(cells: Iterable[str], name: str) -> set[str]:
+    """The top-level functions and classes that ``name`` reaches by name in the notebook's code cells
+    (itself included when it is one); empty when the code does not parse or ``name`` is not defined."""
+    lines = [("" if l.lstrip().startswith(("%", "!")) else l) for l in "\n".join(cells).splitlines()]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return set()
+    return {s.name for s in _reachable(name, _top_level_bindings(tree))
+            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}

@@ -24,7 +24,7 @@ from torch import nn
 from .. import data, models, train
 from . import paper
 from ..ops import margin_loss
-from .units import Unit, encode_array, register
+from .units import Unit, cuda_speed_settings, encode_array, register
 
 FULL_TRAIN = 55_000
 SEEDS = (0, 1, 2)
@@ -191,10 +191,7 @@ def _capsnet_arrays(net: models.CapsNet, test: data.Split, n_couplings: int) -> 
 def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     """Train the unit's network (see the module's docstring) and measure it."""
     cfg = unit.config
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
+    cuda_speed_settings(device)
     splits = data.load(SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=cfg["split_seed"])
     tr, val, test = splits["train"], splits["val"], splits["test"]
     epochs = SMOKE["epochs"] if smoke else cfg["epochs"]

@@ -11,7 +11,7 @@ import torch
 
 from .. import data, soft_routing as sr, train
 from . import profiles
-from .units import Unit, encode_array, register
+from .units import Unit, encode_array, register, seed_spread
 from .viz import heatmap_grid
 
 CHAPTER = "03_soft_routing_gradients"
@@ -355,14 +355,6 @@ def ablation_groups(smoke: bool = False):
     return [group(f"03/ablation/{VARIANT_NAMES[v]}", f"the ablation '{v}'", smoke) for v in sr.VARIANTS]
 
 
-def _spread(values, fmt: str) -> str:
-    """Mean (± SD over seeds when there are two or more); "not yet run" for none."""
-    if not values:
-        return "not yet run"
-    if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
-
 
 def _by_seed(g, get) -> dict:
     return {r["seed"]: float(get(r)) for r in g.results}
@@ -379,11 +371,11 @@ def routes_frame(groups):
         acc = _by_seed(g, lambda r: r["metrics"]["test_accuracy"])
         both = sorted(set(acc) & set(base))
         mix = lambda k: [r["metrics"]["test_mixing"][k] for r in g.results]   # noqa: E731
-        rows.append((f"M = {M}", M * (CLASSES + 1) * (28 * 28 + 1), _spread(list(acc.values()), ".4f"),
-                     "–" if M == UNIT_ROUTES[0] else _spread([acc[s] - base[s] for s in both], "+.4f").replace("not yet run", "–"),
-                     _spread(mix("routes_in_use"), ".1f").replace("not yet run", "–"),
-                     _spread(mix("entropy_bits"), ".2f").replace("not yet run", "–"), f"{math.log2(M):.0f}",
-                     _spread(mix("mutual_information_bits"), ".3f").replace("not yet run", "–"), len(g.results)))
+        rows.append((f"M = {M}", M * (CLASSES + 1) * (28 * 28 + 1), seed_spread(list(acc.values()), ".4f"),
+                     "–" if M == UNIT_ROUTES[0] else seed_spread([acc[s] - base[s] for s in both], "+.4f").replace("not yet run", "–"),
+                     seed_spread(mix("routes_in_use"), ".1f").replace("not yet run", "–"),
+                     seed_spread(mix("entropy_bits"), ".2f").replace("not yet run", "–"), f"{math.log2(M):.0f}",
+                     seed_spread(mix("mutual_information_bits"), ".3f").replace("not yet run", "–"), len(g.results)))
     cols = ["parameters", "test accuracy", f"minus M = {UNIT_ROUTES[0]} (same seed)", "routes in use",
             "routing entropy (bits)", "log2 M (bits)", "I(route; class) (bits)", "seeds"]
     return pd.DataFrame(rows, columns=["routes", *cols]).set_index("routes")
@@ -396,8 +388,8 @@ def ablation_frame(groups):
     rows = []
     for v, g in zip(sr.VARIANTS, groups):
         m = lambda k: [r["metrics"][k] for r in g.results]   # noqa: E731
-        cells = [_spread(m("entropy_drop_epoch1_bits"), ".2f"), _spread(m("final_val_entropy_bits"), ".2f"),
-                 _spread(m("final_val_mutual_information_bits"), ".3f"), _spread(m("test_accuracy"), ".4f")]
+        cells = [seed_spread(m("entropy_drop_epoch1_bits"), ".2f"), seed_spread(m("final_val_entropy_bits"), ".2f"),
+                 seed_spread(m("final_val_mutual_information_bits"), ".3f"), seed_spread(m("test_accuracy"), ".4f")]
         if g.results:
             cells = [c if c != "not yet run" else "–" for c in cells]
         else:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import profiles
+from .units import cuda_speed_settings, seed_spread
 from ..checks import check_positive_int, check_tensor
 from ..coupling_gradient import polarization, relative_low
 
@@ -660,10 +661,7 @@ def unit_run(unit, device: torch.device, smoke: bool) -> dict:
     from .units import encode_array
 
     cfg = unit.config
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
+    cuda_speed_settings(device)
     tr, val, probe, tests = _unit_data(unit, device, smoke)
     epochs = UNIT_SMOKE["epochs"] if smoke else cfg["epochs"]
     torch.manual_seed(unit.seed)
@@ -734,14 +732,6 @@ def unit_groups(data_kind: str = "mnist", smoke: bool = False):
     return [group(f"04/{data_kind}/{v}", f"{VARIANT_LABELS[v]} on {where}", smoke) for v in UNIT_VARIANTS]
 
 
-def _spread(values, fmt: str) -> str:
-    """Mean (± SD over the seeds when there are two or more); "not yet run" for none."""
-    if not values:
-        return "not yet run"
-    if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
-
 
 def _paired(group, ref, get) -> str:
     """``group`` minus ``ref`` seed by seed: mean ± SD and how many seeds have each sign."""
@@ -750,7 +740,7 @@ def _paired(group, ref, get) -> str:
     d = [a[s] - b[s] for s in sorted(set(a) & set(b))]
     if not d:
         return "–"
-    return f"{_spread(d, '+.4f')} ({sum(x > 0 for x in d)} up, {sum(x < 0 for x in d)} down)"
+    return f"{seed_spread(d, '+.4f')} ({sum(x > 0 for x in d)} up, {sum(x < 0 for x in d)} down)"
 
 
 def variants_frame(groups, test: str = "test"):
@@ -764,11 +754,11 @@ def variants_frame(groups, test: str = "test"):
     for v, g in zip(UNIT_VARIANTS, groups):
         r = lambda k: [res["metrics"][f"{test}_routing"][k] for res in g.results]   # noqa: E731
         acc = [res["metrics"][f"{test}_accuracy"] for res in g.results]
-        cells = [_spread(acc, ".4f"),
+        cells = [seed_spread(acc, ".4f"),
                  "–" if v == "full" else _paired(g, full, lambda res: res["metrics"][f"{test}_accuracy"]),
-                 _spread(r("accuracy_K1_minus_routed"), "+.4f"), _spread(r("v_change_mean"), ".3f"),
-                 _spread(r("row_entropy_over_log_J"), ".4f"),
-                 _spread([res["metrics"]["second_term"]["ratio"] for res in g.results], ".3f")]
+                 seed_spread(r("accuracy_K1_minus_routed"), "+.4f"), seed_spread(r("v_change_mean"), ".3f"),
+                 seed_spread(r("row_entropy_over_log_J"), ".4f"),
+                 seed_spread([res["metrics"]["second_term"]["ratio"] for res in g.results], ".3f")]
         if not g.results:
             cells = ["not yet run"] + ["–"] * 5
         rows.append((VARIANT_LABELS[v], *cells, len(g.results)))

@@ -78,7 +78,7 @@ import numpy as np
 import torch
 
 from .. import data, em, em_layers, train
-from .units import Unit, encode_array, register
+from .units import Unit, cuda_speed_settings, encode_array, register
 
 UNIT_FAMILY = "em32"
 # ``version`` counts changes to what the units' ``run`` or ``capslib.train.fit`` do that the probe cannot
@@ -191,9 +191,7 @@ def _sharpening(net: em_layers.EMCapsNet, x: torch.Tensor, y: torch.Tensor) -> t
 def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     """Train the unit's network (see the notes above) and measure it."""
     cfg = unit.config
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    cuda_speed_settings(device, benchmark=False)
     splits = data.load(UNIT_SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=cfg["split_seed"])
     tr, val, test = splits["train"], splits["val"], splits["test"]
     if smoke:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import profiles
+from .units import cuda_speed_settings, seed_spread
 from ..pruning import (LobsterPruner, MagnitudeSchedulePruner, MatchedPruner, prunable, set_mask, snip_masks,
                        sparsity)
 from ..rem import FCOutput, level_sweep, margin_loss_fn, predict_lengths
@@ -395,10 +396,7 @@ def unit_run(unit, device: torch.device, smoke: bool) -> dict:
     from ..pruning import LobsterPruner, MatchedPruner, prunable, set_mask, snip_masks, sparsity
 
     cfg = unit.config
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
+    cuda_speed_settings(device)
     splits = data.load(UNIT_SMOKE["dataset"] if smoke else cfg["dataset"], device=device, seed=cfg["split_seed"])
     tr, val, test = splits["train"], splits["val"], splits["test"]
     if smoke:
@@ -501,13 +499,6 @@ def _runs(groups, prefix: str, name: str) -> dict:
     return {r["seed"]: r["metrics"][name] for r in g.results}
 
 
-def _spread(values, fmt: str) -> str:
-    if not values:
-        return "not yet run"
-    if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
-
 
 def unit_frame(groups, K: int = 11):
     """Every network at K levels: mean ± SD over the seeds run of the quantized accuracy, the entropy (and
@@ -521,13 +512,13 @@ def unit_frame(groups, K: int = 11):
         runs = _runs(groups, prefix, name)
         at = lambda k: [m["by_K"][str(K)][k] for m in runs.values()]   # noqa: E731
         both = sorted(set(runs) & set(rem))
-        cells = [_spread(at("accuracy"), ".4f"), _spread(at("entropy"), ".2f"),
-                 _spread([m["by_K"][str(K)]["entropy"] / m["by_K"][str(K)]["ceiling"] for m in runs.values()], ".2f"),
-                 _spread(at("keys_mean"), ".0f"), _spread([m["sparsity"] for m in runs.values()], ".3f"),
-                 _spread([m["zero_blocks"] for m in runs.values()], ".3f"),
-                 _spread([m["silenced_capsules"] for m in runs.values()], ".0f"),
+        cells = [seed_spread(at("accuracy"), ".4f"), seed_spread(at("entropy"), ".2f"),
+                 seed_spread([m["by_K"][str(K)]["entropy"] / m["by_K"][str(K)]["ceiling"] for m in runs.values()], ".2f"),
+                 seed_spread(at("keys_mean"), ".0f"), seed_spread([m["sparsity"] for m in runs.values()], ".3f"),
+                 seed_spread([m["zero_blocks"] for m in runs.values()], ".3f"),
+                 seed_spread([m["silenced_capsules"] for m in runs.values()], ".0f"),
                  "–" if name == "REM (LOBSTER)" or not both else
-                 _spread([runs[s]["by_K"][str(K)]["entropy"] - rem[s]["by_K"][str(K)]["entropy"] for s in both], "+.2f")]
+                 seed_spread([runs[s]["by_K"][str(K)]["entropy"] - rem[s]["by_K"][str(K)]["entropy"] for s in both], "+.2f")]
         if not runs:
             cells = ["not yet run"] + ["–"] * 7
         rows.append((label, *cells, len(runs)))

@@ -412,3 +412,25 @@ def banner_html(groups: list[Group]) -> str | None:
         return None
     body = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", html.escape(text))
     return f'<div class="admonition note"><p class="admonition-title">Paper scale</p><p>{body}</p></div>'
+
+
+# ----------------------------------------------------------------------------- helpers the chapters' units share
+
+def cuda_speed_settings(device: torch.device, benchmark: bool = True) -> None:
+    """On a GPU: TF32 matrix products and convolutions (the units' declared precision) and, with
+    ``benchmark``, cuDNN's autotuning; nothing on a CPU."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        if benchmark:
+            torch.backends.cudnn.benchmark = True
+
+
+def seed_spread(values, fmt: str) -> str:
+    """A table cell for a quantity over seeds: the mean, ± its SD over the seeds when there are two or
+    more; "not yet run" when there is none."""
+    if not values:
+        return "not yet run"
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"

@@ -24,7 +24,7 @@ from torch import nn
 from .. import data, models, train
 from . import paper
 from ..ops import margin_loss
-from .units import Unit, cuda_speed_settings, encode_array, register
+from .units import Unit, built_in_float64, cuda_speed_settings, encode_array, register, step_summary
 
 FULL_TRAIN = 55_000
 SEEDS = (0, 1, 2)
@@ -113,12 +113,7 @@ def probe(unit: Unit) -> dict:
     seeded random images, the unit's augmentation and loss, dropout off): loss and per-parameter
     gradient norms."""
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)   # weights drawn in float64: no float32 rounding to differ by CPU
-    try:
-        net = build(unit, smoke=False)
-    finally:
-        torch.set_default_dtype(previous)
+    net = built_in_float64(lambda: build(unit, smoke=False))
     net.eval()   # dropout off (its masks come from CPU-specific generators); its rate is in the code's config
     g = torch.Generator().manual_seed(0)
     x = torch.rand(4, 1, 28, 28, generator=g, dtype=torch.float64)
@@ -126,11 +121,7 @@ def probe(unit: Unit) -> dict:
     x = data.RandomShift(unit.config["max_shift"], seed=0)(x)
     loss, _ = step(unit)(net, x, y)
     loss.backward()
-    out = {"loss": loss.item(), "x_sum": x.sum().item()}
-    for name, p in net.named_parameters():
-        if p.grad is not None:
-            out[f"grad:{name}"] = p.grad.norm().item()
-    return out
+    return step_summary(loss, x, net)
 
 
 def coupling_entropy_bits(c: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import profiles
-from .units import cuda_speed_settings, seed_spread
+from .units import built_in_float64, cuda_speed_settings, seed_spread, step_summary
 from ..checks import check_positive_int, check_tensor
 from ..coupling_gradient import polarization, relative_low
 
@@ -556,20 +556,13 @@ def unit_probe(unit) -> dict:
     seed 0, four seeded random images of the unit's size, its routing and loss): loss and per-parameter
     gradient norms."""
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        net = unit_build(unit, smoke=False)
-    finally:
-        torch.set_default_dtype(previous)
+    net = built_in_float64(lambda: unit_build(unit, smoke=False))
     size = unit.config["image_size"]
     x = torch.rand(4, 1, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     y = torch.tensor([0, 3, 7, 9])
     loss, _ = unit_loss(unit.config["recon_weight"])(net, x, y)
     loss.backward()
-    out = {"loss": loss.item(), "x_sum": x.sum().item()}
-    out.update({f"grad:{n}": p.grad.norm().item() for n, p in net.named_parameters() if p.grad is not None})
-    return out
+    return step_summary(loss, x, net)
 
 
 def _unit_data(unit, device, smoke: bool):

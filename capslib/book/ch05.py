@@ -78,7 +78,7 @@ import numpy as np
 import torch
 
 from .. import data, em, em_layers, train
-from .units import Unit, cuda_speed_settings, encode_array, register
+from .units import Unit, built_in_float64, cuda_speed_settings, encode_array, register, step_summary
 
 UNIT_FAMILY = "em32"
 # ``version`` counts changes to what the units' ``run`` or ``capslib.train.fit`` do that the probe cannot
@@ -139,23 +139,14 @@ def unit_probe(unit: Unit) -> dict:
     seed 0, calibrated on two seeded random images, the spread loss at its first margin): the loss and
     the per-parameter gradient norms."""
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        net = unit_net(unit)
-    finally:
-        torch.set_default_dtype(previous)
+    net = built_in_float64(lambda: unit_net(unit))
     g = torch.Generator().manual_seed(0)
     x = torch.rand(2, 1, 28, 28, generator=g, dtype=torch.float64)
     y = torch.tensor([3, 7])
     net.calibrate(x)
     loss, _ = CountedSpreadLoss(10, *unit.config["margin"], device="cpu")(net, x, y)
     loss.backward()
-    out = {"loss": loss.item(), "x_sum": x.sum().item()}
-    for name, p in net.named_parameters():
-        if p.grad is not None:
-            out[f"grad:{name}"] = p.grad.norm().item()
-    return out
+    return step_summary(loss, x, net)
 
 
 @torch.no_grad()

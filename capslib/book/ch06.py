@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import profiles
-from .units import cuda_speed_settings, seed_spread
+from .units import built_in_float64, cuda_speed_settings, seed_spread, step_summary
 from ..pruning import (LobsterPruner, MagnitudeSchedulePruner, MatchedPruner, prunable, set_mask, snip_masks,
                        sparsity)
 from ..rem import FCOutput, level_sweep, margin_loss_fn, predict_lengths
@@ -323,18 +323,12 @@ def unit_probe(unit) -> dict:
     ``06/pruned`` also how far LOBSTER's gated shrinkage moves each pruned tensor in that step."""
     from ..pruning import lobster_step
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        net = make_capsnet(_unit_sizes(unit, False), 0)
-    finally:
-        torch.set_default_dtype(previous)
+    net = built_in_float64(lambda: make_capsnet(_unit_sizes(unit, False), 0))
     x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     y = torch.tensor([0, 3, 7, 9])
     loss, _ = margin_loss_fn(net, x, y)
     loss.backward()
-    out = {"loss": loss.item(), "x_sum": x.sum().item()}
-    out.update({f"grad:{n}": p.grad.norm().item() for n, p in net.named_parameters() if p.grad is not None})
+    out = step_summary(loss, x, net)
     if unit.config["kind"] == "pruned":
         params = prunable(net)
         before = [getattr(m, n).detach().clone() for m, n in params]

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 from .. import data, models, poe, poe_models, train
 from ..ops import squash
-from .units import Unit, encode_array, register
+from .units import Unit, built_in_float64, encode_array, register
 
 _FULL = profiles.SIZES[CHAPTER]["full"]
 UNIT_FAMILY = "poe-pipeline"
@@ -110,14 +110,9 @@ def unit_probe(unit: Unit) -> dict:
     (with the unit's centring or sparsity term; the mean is the four images') and of the decoder's update of U."""
     cfg = unit.config
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        model = poe_models.PoECapsules(channels=cfg["channels"], kernel=cfg["kernel"], capsule_dim=cfg["capsule_dim"],
-                                       out_caps=cfg["out_caps"], out_dim=cfg["out_dim"], iterations=cfg["iterations"],
-                                       dropout=cfg["dropout"], init_std=cfg["init_std"])
-    finally:
-        torch.set_default_dtype(previous)
+    model = built_in_float64(lambda: poe_models.PoECapsules(
+        channels=cfg["channels"], kernel=cfg["kernel"], capsule_dim=cfg["capsule_dim"], out_caps=cfg["out_caps"],
+        out_dim=cfg["out_dim"], iterations=cfg["iterations"], dropout=cfg["dropout"], init_std=cfg["init_std"]))
     model.eval()   # dropout off
     g = torch.Generator().manual_seed(0)
     x = torch.rand(4, 1, 28, 28, generator=g, dtype=torch.float64)

@@ -434,3 +434,22 @@ def seed_spread(values, fmt: str) -> str:
     if len(values) == 1:
         return format(values[0], fmt)
     return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
+
+
+def built_in_float64(make: Callable):
+    """``make()``'s network with its weights drawn in float64 (the default dtype switched for the call and
+    restored after it): what every unit's probe starts from, so that no float32 rounding differs by CPU."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return make()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def step_summary(loss: torch.Tensor, x: torch.Tensor, net: torch.nn.Module) -> dict:
+    """A probe's numbers after ``loss.backward()``: the loss, the sum of the input images and the norm
+    of every parameter's gradient."""
+    out = {"loss": loss.item(), "x_sum": x.sum().item()}
+    out.update({f"grad:{n}": p.grad.norm().item() for n, p in net.named_parameters() if p.grad is not None})
+    return out

@@ -200,7 +200,7 @@ def unit_input_capsules():
 def test_runner_dry_run_and_cli_errors(capsys, tmp_path, monkeypatch):
     assert X.main(["run", "--budget", "540", "--jobs", "4", "--only", "02/main", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "the plan runs" in out and "02/main/s0" in out
+    assert "the plan runs" in out and "02/main/s" in out   # whichever seeds have no result yet
     assert X.main(["status", "--chapter", "02"]) == 0
     assert "02/baseline/s2" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -208,9 +208,10 @@ def test_runner_dry_run_and_cli_errors(capsys, tmp_path, monkeypatch):
     with pytest.raises(KeyError, match="chapters with units"):
         X.main(["status", "--chapter", "09"])
     # a real run checks for its data first (a GPU machine cannot download it): one clear message
+    todo = next(u.key for u in U.all_units() if u.config.get("dataset") == "mnist" and U.state(u)[0] != "done")
     monkeypatch.setattr(data, "DATA_DIR", tmp_path)
     with pytest.raises(SystemExit, match="full MNIST is not in"):
-        X.main(["run", "--budget", "60", "--only", "02/main/s0"])
+        X.main(["run", "--budget", "60", "--only", todo])
 
 
 def test_idx_files_are_read_plain_or_gzip_compressed(tmp_path):
@@ -242,6 +243,12 @@ def test_chapter2_paper_scale_views_from_results(main_smoke, monkeypatch):
                 ch02.draw_couplings(main.results)):
         assert fig.axes
     assert U.banner([U.Group("x", "x", [{}], [], [])]) is None
+    # the sentence under the table: the result's own error and coupling entropy, a seed count, the paper's number
+    r = main.results[0]
+    said = ch02.paper_scale_summary(main.results)
+    assert f"{r['metrics']['test_error']:.2%}" in said and "one seed" in said and paper.text("sabour_mnist_error") in said
+    assert f"{r['metrics']['coupling']['mean_entropy_bits']:.4f} bits" in said
+    assert "no paper-scale run" in ch02.paper_scale_summary([])
 
 
 def test_probe_agrees_across_cpu_kernels():
@@ -320,3 +327,37 @@ def test_projection_sources_are_named_measured_bench_or_assumed():
     rate, source = U.rate_of("no-such-network")
     assert source == "assumed" and rate == U.UNBENCHED_RATE
     assert U.UNBENCHED_RATE <= min(v for k, v in U.ESTIMATED_RATES_H100.items() if k.startswith("capsnet"))
+
+
+def test_graphed_units_are_planned_without_a_gain_from_sharing():
+    """On one H100 four graphed units side by side each ran at about a quarter of their speed alone;
+    the plan gives a unit on the fast path 1/k of its speed, eager units the measured SHARE."""
+    assert U.share_of(4, True) == 0.25 and U.share_of(4, False) == U.SHARE[4] > 0.25
+    main = U.get("02/main/s0")
+    assert U.graphed(main) and U.projected_seconds(main, 4) > U.projected_seconds(main, 1)
+    # two graphed units of 100 s each side by side end at 200 s, not at 100 / SHARE[2]
+    assert X.finishes([100.0, 100.0], 200.0, graphed=True) and not X.finishes([100.0, 100.0], 199.0, graphed=True)
+    assert X.finishes([100.0, 100.0], 100 / U.SHARE[2], graphed=False)
+    p = X.plan([("a", 100.0), ("b", 100.0)], jobs=2, budget=150.0, graphed=frozenset({"a"}))
+    assert [(q.key, q.start, q.end) for q in p] == [("a", 0, 100)]   # b would end at 200 beside a, or after it
+    p = X.plan([("a", 100.0), ("b", 100.0)], jobs=2, budget=200.0, graphed=frozenset({"a"}))
+    assert [(q.key, q.start, q.end) for q in p] == [("a", 0, 200), ("b", 0, 200)]
+    # the fast path's rate comes from the fast check on an H100, when there is one
+    if "capsnet28" in U.FAST_RATES_H100:
+        rate, source = U.rate_of("capsnet28", True)
+        assert source == "measured" and rate > U.RATES_H100["capsnet28"]
+
+
+def test_overlap_counts_who_shared_the_gpu_and_the_result_records_it(tmp_path, monkeypatch):
+    spans = {"a": (0.0, 100.0), "b": (0.0, 40.0), "c": (50.0, 120.0), "d": (130.0, 140.0)}
+    assert X.overlap(spans, "a") == (2, ["b", "c"])      # never three at once: b ended before c began
+    assert X.overlap(spans, "c") == (2, ["a"])
+    assert X.overlap(spans, "d") == (1, [])
+    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+    unit = _toy_unit({"x": 1}, 0.5)
+    with pytest.raises(FileNotFoundError, match="99/toy/s0"):
+        U.record_sharing(unit, 2, ["b"])
+    U.execute(unit, device="cpu")
+    U.record_sharing(unit, 3, ["b", "c"])
+    st, res = U.state(unit)
+    assert st == "done" and res["sharing_gpu"] == 3 and res["shared_with"] == ["b", "c"] and res["ran_alone"] is False

@@ -381,3 +381,27 @@ def draw_couplings(results: list):
     ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def paper_scale_summary(results: list) -> str:
+    """One sentence on the paper-scale network's results (each a seed of ``02/main``): its test error
+    beside the paper's, and how far its trained couplings moved from the uniform $1/J$ they start at."""
+    if not results:
+        return ("no paper-scale run of the paper's network has been made yet, so this section says "
+                "nothing about its error or its couplings")
+    err = float(np.mean([r["metrics"]["test_error"] for r in results]))
+    cp = [r["metrics"]["coupling"] for r in results]
+    H = float(np.mean([c["mean_entropy_bits"] for c in cp]))
+    Hmax = cp[0]["uniform_entropy_bits"]
+    mx = float(np.mean([c["mean_max"] for c in cp]))
+    half = float(np.mean([c["fraction_max_above_half"] for c in cp]))
+    n, epochs = len(results), results[0]["metrics"]["epochs"]
+    seeds = "one seed" if n == 1 else f"mean of {n} seeds"
+    moved = "stay close to uniform" if H / Hmax > 0.95 else "move well away from uniform"
+    return (f"after {epochs} epochs the paper's network misclassifies {err:.2%} of the "
+            f"{int(results[0]['metrics']['test_images']):,} test digits ({seeds}; the paper: "
+            f"{paper.text('sabour_mnist_error')}), and its couplings {moved}: over "
+            f"{cp[0]['digits']:,} test digits a row of couplings has a mean entropy of {H:.4f} bits, "
+            f"{H / Hmax:.2%} of the {Hmax:.4f} bits of uniform couplings; the largest coupling of a row "
+            f"averages {mx:.3f} against 1/J = {1 / cp[0]['parents']:.3f}, and {half:.2%} of the rows "
+            f"give more than half of their vote to one parent")

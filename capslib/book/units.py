@@ -95,10 +95,49 @@ ESTIMATED_RATES_H100 = _bench_rates()
 UNBENCHED_RATE = min(v for k, v in ESTIMATED_RATES_H100.items() if k.startswith("capsnet"))
 
 
-def rate_of(family: str) -> tuple[float, str]:
+# Units whose step is ``fit``'s fast path run, on a GPU, as one captured CUDA graph per step
+# (``python -m capslib.tools.bench fast-check`` checks and times it; ``fast_check.json`` holds one H100's
+# numbers). Such a unit keeps the GPU busy by itself: on one H100 (2026-11-26) four graphed units side by
+# side each ran at 0.22-0.24 of their speed alone (02/main beside three 06/vanilla, then two 02/main
+# beside 02/baseline and 05/main), so the plan gives them no gain from sharing: ``1/k`` with k running.
+FAST_CHECK_FILE = ROOT / "book" / "results" / "bench" / "fast_check.json"
+
+
+def graphed(unit: "Unit") -> bool:
+    """Whether ``unit`` trains through ``fit``'s fast path (a CUDA graph per step on a GPU)."""
+    return "fast path" in str(unit.config.get("step", ""))
+
+
+def _fast_rates() -> dict:
+    """Images/s of ``fit`` on the fast path, float32, alone on an H100, by family (the fast check)."""
+    if not FAST_CHECK_FILE.exists():
+        return {}
+    got = json.loads(FAST_CHECK_FILE.read_text())
+    if "H100" not in str(got.get("device")):
+        return {}
+    rows = [r for r in got.get("fit", []) if r.get("fast") and not r.get("amp") and r.get("step_path") == "graphed"]
+    return {"capsnet28": float(rows[0]["images_per_s"])} if rows else {}
+
+
+FAST_RATES_H100 = _fast_rates()
+
+
+def share_of(sharing: int, is_graphed: bool = False) -> float:
+    """Fraction of its speed alone that one unit gets while ``sharing`` units train on the GPU."""
+    k = max(int(sharing), 1)
+    if is_graphed:
+        return 1.0 / k
+    return SHARE.get(k, SHARE[max(SHARE)] * max(SHARE) / k)
+
+
+def rate_of(family: str, is_graphed: bool = False) -> tuple[float, str]:
     """Images/s of one ``family`` training alone on one H100 and where the number comes from:
-    ``"measured"`` (committed results, or ``fit`` rates), ``"bench"`` (step bench scaled) or
-    ``"assumed"`` (no measurement of this network: :data:`UNBENCHED_RATE`)."""
+    ``"measured"`` (committed results, the fast check for a unit on the fast path, or ``fit`` rates),
+    ``"bench"`` (step bench scaled) or ``"assumed"`` (no measurement of this network:
+    :data:`UNBENCHED_RATE`). A graphed family without a fast-check number keeps its eager rate (an
+    underestimate: the graph was measured 2x faster for the CapsNet)."""
+    if is_graphed and family in FAST_RATES_H100:
+        return FAST_RATES_H100[family], "measured"
     got = measured_rate(family)
     if got is not None:
         return got, "measured"
@@ -295,8 +334,9 @@ def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = 
         "what": unit.what, "smoke": smoke, "fingerprint": fp, "config": unit.config,
         "probe": probe_values(unit),
         "device": _device_name(device), "processes": world,
-        # units beside it on the GPU when it started, and whether it had the GPU to itself throughout
-        # (the runner with --jobs 1 says so; a unit run by hand, ``one``, is taken to)
+        # units on the GPU when it started, and whether it had the GPU to itself throughout (the
+        # runner with --jobs 1 says so; a unit run by hand, ``one``, is taken to); the runner rewrites
+        # both from what it saw when the unit ends (:func:`record_sharing`)
         "sharing_gpu": int(os.environ.get("CAPSBOOK_SHARING", "1") or 1),
         "ran_alone": os.environ.get("CAPSBOOK_RAN_ALONE", "1") == "1",
         "torch": torch.__version__, "commit": commit, "uncommitted_changes": dirty,
@@ -314,6 +354,21 @@ def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = 
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def record_sharing(unit: Unit | str, most: int, others: list[str], smoke: bool = False) -> None:
+    """Write into ``unit``'s result who shared the GPU while it ran (the runner knows; the unit, which
+    sees only the count when it started, does not): ``sharing_gpu`` the most units at once, itself
+    included; ``shared_with`` their keys; ``ran_alone`` whether it had the GPU to itself throughout."""
+    unit = get(unit) if isinstance(unit, str) else unit
+    res = load(unit, smoke)
+    if res is None:
+        raise FileNotFoundError(f"no result of {unit.key} to annotate")
+    res.update(sharing_gpu=int(most), shared_with=list(others), ran_alone=int(most) == 1)
+    path = unit.path(smoke)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def load(unit: Unit | str, smoke: bool = False) -> dict | None:
@@ -352,9 +407,8 @@ def measured_rate(family: str) -> float | None:
 
 def projected_seconds(unit: Unit, sharing: int = 1) -> float:
     """Projected wall time of ``unit`` on one H100 shared by ``sharing`` trainings."""
-    rate, _ = rate_of(unit.family)
-    share = SHARE.get(sharing, SHARE[max(SHARE)] * max(SHARE) / max(sharing, 1))
-    return STARTUP_SECONDS + unit.images / (rate * share)
+    rate, _ = rate_of(unit.family, graphed(unit))
+    return STARTUP_SECONDS + unit.images / (rate * share_of(sharing, graphed(unit)))
 
 
 # ----------------------------------------------------------------------------- what a chapter shows

@@ -40,19 +40,20 @@ POLL_SECONDS = 1.0
 MIN_LEFT_SECONDS = 30.0   # what the plan assumes left of a unit that has run past its projection
 
 
-def _share(k: int) -> float:
-    return U.SHARE.get(k, U.SHARE[max(U.SHARE)] * max(U.SHARE) / max(k, 1))
+def _share(k: int, graphed: bool = False) -> float:
+    return U.share_of(k, graphed)
 
 
-def finishes(remaining: list[float], budget_left: float) -> bool:
+def finishes(remaining: list[float], budget_left: float, graphed: bool = False) -> bool:
     """Whether units with ``remaining`` work (seconds alone) all end within ``budget_left`` seconds of
-    wall time when they run side by side from now, each at ``SHARE[k]`` of its speed while k are left."""
+    wall time when they run side by side from now, each at ``SHARE[k]`` of its speed while k are left
+    (``1/k`` when ``graphed``: one of them steps through a CUDA graph, see :func:`capslib.book.units.share_of`)."""
     # a unit past its projection is still on the GPU: it counts, with a little work left
     work = sorted(w if w > 0 else MIN_LEFT_SECONDS for w in remaining)
     t, done = 0.0, 0.0
     for i, w in enumerate(work):
         k = len(work) - i
-        t += (w - done) / _share(k)
+        t += (w - done) / _share(k, graphed)
         done = w
         if t > budget_left + 1e-9:
             return False
@@ -66,9 +67,10 @@ class Planned:
     end: float
 
 
-def plan(work: list[tuple[str, float]], jobs: int, budget: float) -> list[Planned]:
+def plan(work: list[tuple[str, float]], jobs: int, budget: float, graphed: frozenset = frozenset()) -> list[Planned]:
     """The schedule the runner follows if every unit takes its projected time: ``work`` is
-    ``(key, seconds alone)`` in priority order. A unit that cannot end inside the budget is skipped
+    ``(key, seconds alone)`` in priority order; ``graphed``: the keys of units on the fast path (while
+    one runs, every unit gets ``1/k`` of its speed). A unit that cannot end inside the budget is skipped
     and the next one considered; a slot left free waits for the next unit that fits."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1; got {jobs}")
@@ -80,7 +82,7 @@ def plan(work: list[tuple[str, float]], jobs: int, budget: float) -> list[Planne
         while started and len(running) < jobs:
             started = False
             for i, (key, w) in enumerate(queue):
-                if finishes([*running.values(), w], budget - now):
+                if finishes([*running.values(), w], budget - now, bool(graphed & {*running, key})):
                     running[key] = w
                     out.append(Planned(key, now, float("nan")))
                     queue.pop(i)
@@ -88,7 +90,7 @@ def plan(work: list[tuple[str, float]], jobs: int, budget: float) -> list[Planne
                     break
         if not running:
             return out
-        speed = _share(len(running))
+        speed = _share(len(running), bool(graphed & set(running)))
         key_min = min(running, key=running.get)
         dt = running[key_min] / speed
         now += dt
@@ -103,7 +105,7 @@ def _status(args) -> int:
     for u in U.all_units(args.chapter):
         st, res = U.state(u, smoke=args.smoke)
         minutes = U.projected_seconds(u) / 60
-        mark = {"measured": "", "bench": " b", "assumed": " a"}[U.rate_of(u.family)[1]]
+        mark = {"measured": "", "bench": " b", "assumed": " a"}[U.rate_of(u.family, U.graphed(u))[1]]
         made = f"{res['device']}, {res['wall_seconds'] / 60:.1f} min" if res else ""
         rows.append((u.key, st, f"{minutes:.1f}{mark}", str(u.priority), made, u.what))
     widths = [max(len(r[i]) for r in rows + [("unit", "state", "min (H100)", "prio", "made on", "what")])
@@ -159,7 +161,8 @@ def _run(args) -> int:
         raise SystemExit(missing)
     # a smoke run rehearses the commands: its units take seconds, so each is projected at 1 s of work
     work = {u.key: (1.0 if args.smoke else U.projected_seconds(u) * (1 + U.PLAN_MARGIN)) for u in todo}
-    schedule = plan([(u.key, work[u.key]) for u in todo], args.jobs, args.budget - (time.time() - t0))
+    fast = frozenset(u.key for u in todo if U.graphed(u))
+    schedule = plan([(u.key, work[u.key]) for u in todo], args.jobs, args.budget - (time.time() - t0), fast)
     print(f"{len(todo)} units missing or stale; the plan runs {len(schedule)} of them in {args.budget:.0f} s, "
           f"{args.jobs} at a time:")
     for p in schedule:
@@ -172,7 +175,7 @@ def _run(args) -> int:
     finished, failed, stopped = [], [], []
     logs = []
     try:
-        _loop(args, t0, queue, running, work, finished, failed, stopped, logs)
+        _loop(args, t0, queue, running, work, finished, failed, stopped, logs, fast)
     finally:   # the runner interrupted or failing: no unit is left running on the GPU
         for key, (proc, _, _) in running.items():
             if proc.poll() is None:
@@ -185,19 +188,35 @@ def _run(args) -> int:
     return 1 if failed or stopped else 0
 
 
-def _loop(args, t0, queue, running, work, finished, failed, stopped, logs) -> None:
+def overlap(spans: dict[str, tuple[float, float]], key: str) -> tuple[int, list[str]]:
+    """Most units on the GPU at once while ``key`` ran (itself included), and the units it overlapped:
+    ``spans`` maps each unit to its (start, end) wall times."""
+    s, e = spans[key]
+    others = [k for k, (a, b) in spans.items() if k != key and a < e and b > s]
+    times = [s] + [spans[k][0] for k in others if spans[k][0] > s]
+    most = max(1 + sum(1 for k in others if spans[k][0] <= t < spans[k][1]) for t in times)
+    return most, sorted(others)
+
+
+def _loop(args, t0, queue, running, work, finished, failed, stopped, logs, fast=frozenset()) -> None:
     last = time.time()
+    spans: dict[str, tuple[float, float]] = {}
     while queue or running:
         now = time.time()
         dt, last = now - last, now
-        speed = _share(max(len(running), 1))
+        speed = _share(max(len(running), 1), bool(fast & set(running)))
         for k, (p, w, d) in list(running.items()):
             running[k] = (p, w, d + dt * speed)
+        for key in running:
+            spans[key] = (spans[key][0], now)
         for key, (proc, _, _) in list(running.items()):
             rc = proc.poll()
             if rc is not None:
                 del running[key]
                 (finished if rc == 0 else failed).append(key)
+                if rc == 0:   # the result records who shared the GPU, from start to end
+                    most, others = overlap(spans, key)
+                    U.record_sharing(key, most, others, smoke=args.smoke)
                 print(f"[{now - t0:5.0f} s] {key}: " + ("done" if rc == 0 else f"FAILED (exit {rc}), see its log"),
                       flush=True)
         left = args.budget - (now - t0)
@@ -215,7 +234,8 @@ def _loop(args, t0, queue, running, work, finished, failed, stopped, logs) -> No
             break
         while len(running) < args.jobs and queue:
             remaining = [w - d for _, w, d in running.values()]
-            pick = next((u for u in queue if finishes([*remaining, work[u.key]], left)), None)
+            pick = next((u for u in queue
+                         if finishes([*remaining, work[u.key]], left, bool(fast & {*running, u.key}))), None)
             if pick is None:
                 break
             queue.remove(pick)
@@ -227,6 +247,7 @@ def _loop(args, t0, queue, running, work, finished, failed, stopped, logs) -> No
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=U.ROOT, env=env,
                                     start_new_session=True)
             running[pick.key] = (proc, work[pick.key], 0.0)
+            spans[pick.key] = (now, now)
             print(f"[{now - t0:5.0f} s] started {pick.key} ({len(running)} running)", flush=True)
         if not running and queue:
             print(f"[{now - t0:5.0f} s] nothing left fits in {left:.0f} s: not started {', '.join(u.key for u in queue)}")

@@ -557,7 +557,7 @@ def draw_levels(groups):
     ax_h.set_ylabel("$\\mathbb{H} \\,/\\, \\log_2 n_j$")
     ax_a.set_ylabel("test accuracy, quantized (%)")
     ax_a.set_xlabel("quantization levels $K$")
-    fig.legend(*ax_h.get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=8)
+    fig.legend(*ax_h.get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=10)
     return fig
 
 
@@ -583,5 +583,5 @@ def draw_entropy_accuracy(groups):
     ax.set_xlabel("test accuracy, quantized, $K = 11$ (%)")
     ax.set_ylabel("entropy $\\mathbb{H}$ (bits), $K = 11$")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=10)
     return fig

@@ -139,7 +139,9 @@ def render_paper_scale(path: Path, profile: str, timeout: int | None = None,
     part.cells = [nbformat.from_dict(dict(nb.cells[i])) for i in order]
     start = time.perf_counter()
     try:
-        client(part, path, timeout=timeout).execute(env=environment(profile, **(env or {})))
+        # the page's other cells keep their committed outputs: capslib.book.page describes those
+        client(part, path, timeout=timeout).execute(env=environment(profile, **{"CAPSBOOK_PAPER_SCALE_ONLY": "1",
+                                                                                **(env or {})}))
         ok = True
     except (CellTimeoutError, CellExecutionError) as err:
         print(f"{path.name}: a paper-scale cell failed: {str(err)[-2000:]}", file=sys.stderr)

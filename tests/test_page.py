@@ -1,0 +1,45 @@
+"""The scale box of every chapter (capslib.book.page): what it says follows the results that exist."""
+import pytest
+
+from capslib import datasets
+from capslib.book import page
+from capslib.book import units as U
+
+
+def test_scale_note_counts_the_chapters_paper_scale_results(tmp_path, monkeypatch):
+    monkeypatch.delenv("CAPSBOOK_PAPER_SCALE_ONLY", raising=False)
+    text = page.scale_note("02", profile="ci")
+    done = sum(U.state(u)[0] == "done" for u in U.all_units("02"))
+    total = len(U.all_units("02"))
+    assert f"{10 * datasets.EMBEDDED_SPLIT[0]:,} training digits" in text and f"declares {total}" in text
+    assert (f"{done} of the {total}" in text) if 0 < done < total else True
+    assert page.PAPER_SCALE_SECTION in text
+    # with no results at all the note says none has been made
+    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+    empty = page.scale_note("02", profile="ci")
+    assert "none of them has been made yet" in empty and "will show" in empty
+    assert "full MNIST" in page.scale_note("05", profile="full")
+    assert "trains no network" in page.scale_note("01")
+
+
+def test_scale_note_rejects_unknown_chapters_and_reads_the_page_profile(monkeypatch):
+    with pytest.raises(ValueError, match="chapter must be one of"):
+        page.scale_note("09")
+    monkeypatch.setenv("CAPSBOOK_PROFILE", "full")
+    monkeypatch.setenv("CAPSBOOK_PAPER_SCALE_ONLY", "1")
+    assert page.page_profile() == "ci"          # only the paper-scale cells run again: the page stays ci
+    monkeypatch.setenv("CAPSBOOK_PAPER_SCALE_ONLY", "0")
+    assert page.page_profile() == "full"
+
+
+def test_every_chapter_opens_with_the_scale_box():
+    import json
+    from pathlib import Path
+    for nb_path in sorted(Path(U.ROOT, "book").glob("0*.ipynb")):
+        cells = json.loads(nb_path.read_text())["cells"]
+        md = ["".join(c["source"]) for c in cells[:4] if c["cell_type"] == "markdown"]
+        assert any("{glue:text}`page_scale`" in m and "scoreboard" in m for m in md), nb_path.name
+        code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+        glue_cell = next(c for c in cells if "page.glue_scale" in "".join(c["source"]))
+        assert "paper-scale" in glue_cell["metadata"]["tags"] and f'"{nb_path.name[:2]}"' in "".join(glue_cell["source"])
+        assert code[0].strip().endswith("setup()")

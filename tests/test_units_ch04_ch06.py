@@ -111,3 +111,19 @@ def test_chapter6_smoke_result_and_views(smoke_root, monkeypatch):
     assert all(f.axes for f in figs)
     plt.close("all")
     assert ch06.k_rule([2, 5, 7, 11], [0.2, 0.9, 0.995, 0.996], 0.002) == 7
+
+
+def test_chapter6_paper_scale_sentence_reads_the_vanilla_results():
+    def result(seed, flt, accs):
+        by_k = {str(k): {"accuracy": a, "entropy": 6.0 + seed, "ceiling": 10.0, "share_uniform_level": 0.9}
+                for k, a in accs.items()}
+        return {"seed": seed, "metrics": {"vanilla": {"float_accuracy": flt, "by_K": by_k}}}
+    runs = [result(0, 0.990, {2: 0.90, 5: 0.989, 7: 0.991, 11: 0.990}),
+            result(1, 0.992, {2: 0.95, 5: 0.990, 7: 0.992, 11: 0.993})]
+    groups = [U.Group("06/vanilla", "v", runs, [], []), U.Group("06/pruned", "p", [], [], [])]
+    said = ch06.paper_scale_summary(groups, 11)
+    # K = 5 loses accuracy on the mean (0.9895 < 0.991); K = 7 does not (0.9915)
+    assert "picks K = 7" in said and "99.10% test accuracy" in said and "99.15% with couplings" in said
+    assert "6.50 bits, 65% of the ceiling of 10.00 bits" in said and "mean of 2 seeds" in said
+    empty = [U.Group("06/vanilla", "v", [], ["06/vanilla/s0"], []), groups[1]]
+    assert "no paper-scale run" in ch06.paper_scale_summary(empty, 11)

@@ -585,3 +585,30 @@ def draw_entropy_accuracy(groups):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=10)
     return fig
+
+
+def paper_scale_summary(groups, K: int) -> str:
+    """One sentence on the unpruned network at paper scale: float and quantized accuracy, the K that
+    the paper's rule picks (the smallest K whose quantized accuracy, mean over the seeds, is not below
+    the float one), and the entropy at ``K`` against its ceiling."""
+    from .stats import summarise
+
+    runs = _runs(groups, "06/vanilla", "vanilla")
+    if not runs:
+        return "no paper-scale run of the unpruned network has been made yet, so this section says nothing about it"
+    seeds = sorted(runs)
+
+    def over(get):
+        return summarise([get(runs[s]) for s in seeds], seeds)
+    flt = over(lambda r: r["float_accuracy"])
+    levels = sorted(int(k) for k in runs[seeds[0]]["by_K"])
+    rule = next((k for k in levels if over(lambda r, k=k: r["by_K"][str(k)]["accuracy"]).mean >= flt.mean),
+                max(levels))
+    at = lambda key: over(lambda r: r["by_K"][str(K)][key])   # noqa: E731
+    H, ceiling, share = at("entropy"), at("ceiling"), at("share_uniform_level")
+    n = "one seed" if len(seeds) == 1 else f"mean of {len(seeds)} seeds"
+    return (f"trained on all the training digits, the unpruned network reaches {flt.mean:.2%} test accuracy with "
+            f"float couplings and {at('accuracy').mean:.2%} with couplings quantized to K = {K} levels ({n}); the "
+            f"paper's rule for K (the fewest levels that lose no accuracy) picks K = {rule} here; and at K = {K} its parse-tree entropy is {H.mean:.2f} "
+            f"bits, {H.mean / ceiling.mean:.0%} of the ceiling of {ceiling.mean:.2f} bits, with "
+            f"{share.mean:.1%} of its couplings rounding to the level of 1/J")

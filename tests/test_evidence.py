@@ -196,3 +196,26 @@ def test_bibliography_labels_are_author_year():
     assert len(set(labels.values())) == len(labels)
     sabour = [label for key, label in labels.items() if key.startswith("sabour")]
     assert sabour and all(label.startswith("Sabour et al. 2017") for label in sabour), sabour
+
+
+def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
+    from scipy import stats as sps
+
+    from capslib.book.stats import Equivalence, summarise
+    # the 90 % interval of three seeds: mean ± t(0.95, 2) * se
+    d = summarise([-0.002, -0.006, -0.006])
+    e = Equivalence(d, 0.01)
+    lo, hi = e.tost_interval
+    assert hi - d.mean == pytest.approx(sps.t.ppf(0.95, 2) * d.se)
+    assert e.kind == "equivalent" and e.signs == (0, 3)          # inside ±0.01; the 95 % interval covers 0
+    assert Equivalence(d, 0.005).kind == "unsettled"              # a tighter margin: too few seeds to say
+    tight = summarise([-0.005, -0.0051, -0.0049])
+    assert Equivalence(tight, 0.01).kind == "small"               # resolved, but inside the margin
+    assert Equivalence(tight, 0.002).kind == "lower"              # resolved, and outside a small margin
+    assert Equivalence(summarise([0.02, 0.021, 0.019]), 0.01).kind == "higher"
+    said = e.clause("detached", "full")
+    assert said.startswith("is equivalent to full within the margin") and "lower in 3" in said and "±0.010" in said
+    with pytest.raises(ValueError, match="margin"):
+        Equivalence(d, 0.0)
+    with pytest.raises(ValueError, match="two seeds"):
+        Equivalence(summarise([0.1]), 0.01)

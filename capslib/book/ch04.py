@@ -33,17 +33,27 @@ CHAPTER = "04_coupling_gradient_proof"
 # trains beside them from the same seeds. `ci` shrinks the networks and the data so that three
 # seeds fit the time budget; its expanded runs take small batches (`expanded_batch_size`, with
 # `expanded_lr`) so that they reach a train accuracy above 0.9 in `expanded_epochs` epochs
-# (with batches of 64 they stopped near 0.5-0.75).
+# (with batches of 64 they stopped near 0.5-0.75). `margin`: the margin of practical equivalence of
+# two variants' test accuracies, declared before the runs (capslib.book.stats.Equivalence): one point
+# of accuracy at `ci`, where networks reach about 0.9; 0.2 points at `full`, the size of Table 1's gaps.
+# `world_*`: the small world of part capsules whose agreement decides the whole (part_whole_world),
+# the same at both profiles (seconds on a CPU): parts, wholes, pose dimension, pose noise SD, pose
+# length, training and test examples, the shorter of its two training lengths (the other is twice
+# it) and Adam's learning rate.
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", image_size=28, conv_channels=32, primary_types=4, primary_dim=8, digit_dim=16,
             decoder=(128, 256), iterations=3, epochs=3, batch_size=64, lr=2e-3, recon_weight=0.0005,
-            train_subset=2200, seeds=3, probe_size=64, probe_every=16, cost_pairs=20,
+            train_subset=2200, seeds=3, probe_size=64, probe_every=16, cost_pairs=20, margin=0.01,
+            world_parts=8, world_wholes=4, world_dim=4, world_noise=1.0, world_scale=5.0,
+            world_train=1000, world_test=1000, world_epochs=5, world_lr=0.01,
             expanded_subset=1200, expanded_epochs=4, expanded_conv_channels=16, expanded_primary_types=4,
             expanded_primary_stride=3, expanded_batch_size=16, expanded_lr=4e-3),
     full=dict(dataset="mnist", image_size=28, conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
               decoder=(512, 1024), iterations=3, epochs=10, batch_size=128, lr=1e-3, recon_weight=0.0005,
-              train_subset=None, seeds=3, probe_size=500, probe_every=100, cost_pairs=20,
+              train_subset=None, seeds=3, probe_size=500, probe_every=100, cost_pairs=20, margin=0.002,
+              world_parts=8, world_wholes=4, world_dim=4, world_noise=1.0, world_scale=5.0,
+              world_train=1000, world_test=1000, world_epochs=5, world_lr=0.01,
               expanded_subset=None, expanded_epochs=5, expanded_conv_channels=256, expanded_primary_types=32,
               expanded_primary_stride=2, expanded_batch_size=128, expanded_lr=1e-3),
     # `full` is cut to fit one H100 in minutes: the chapter took about 7 (28x28 epochs 3.5 s with the
@@ -821,3 +831,95 @@ def draw_couplings(groups, test: str = "test"):
     ax.set_ylabel("fraction of couplings")
     ax.legend(fontsize=8)
     return fig
+
+
+# ----------------------------------------------------------------------------- a small world where routing routes
+
+def part_whole_world(n: int, parts: int = 12, wholes: int = 4, dim: int = 4, noise: float = 0.1,
+                     pose_scale: float = 2.0, seed: int = 0, frames: torch.Tensor | None = None):
+    """Synthetic part capsules whose agreement decides the whole, for chapter 4's small world.
+
+    Each whole ``j`` sees each part ``i`` in its own frame: a fixed random rotation ``A_ij``. An
+    example is one whole ``y`` with a random pose ``p`` (a vector of length about ``pose_scale``);
+    part ``i`` then has the pose ``u_i = A_{yi}^T p`` plus Gaussian noise of SD ``noise``. All parts
+    are present in every example, so which whole it is can be read only from whether the parts'
+    poses agree after each whole's transformation, which is what routing by agreement measures.
+    Returns ``(u (n, parts, dim), y (n,), frames (wholes, parts, dim, dim))``; pass ``frames`` to draw
+    a test set of the same world."""
+    if min(n, parts, wholes, dim) < 1 or wholes < 2:
+        raise ValueError(f"need n, parts, dim >= 1 and wholes >= 2; got {n}, {parts}, {wholes}, {dim}")
+    g = torch.Generator().manual_seed(seed)
+    if frames is None:
+        q, _ = torch.linalg.qr(torch.randn(wholes, parts, dim, dim, generator=g, dtype=torch.float64))
+        frames = q.float()
+    elif frames.shape[:2] != (wholes, parts) or frames.shape[-1] != dim:
+        raise ValueError(f"frames of shape {tuple(frames.shape)} do not fit wholes={wholes}, parts={parts}, dim={dim}")
+    y = torch.randint(0, wholes, (n,), generator=g)
+    p = torch.randn(n, dim, generator=g)
+    p = pose_scale * p / p.norm(dim=1, keepdim=True).clamp_min(1e-6)
+    u = torch.einsum("nipq,np->niq", frames[y], p) + noise * torch.randn(n, parts, dim, generator=g)
+    return u, y, frames
+
+
+class PartWholeCaps(torch.nn.Module):
+    """One capsule layer on given part capsules: votes ``W_ij u_i`` and dynamic routing (``iterations``,
+    ``detach`` as in :func:`capslib.dynamic_routing`); the class is the longest output capsule."""
+
+    def __init__(self, parts: int, wholes: int, dim: int, iterations: int = 3, detach: bool = False, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.W = torch.nn.Parameter(0.5 * torch.randn(parts, wholes, dim, dim, generator=g) / dim ** 0.5)
+        self.iterations, self.detach = iterations, detach
+
+    def votes(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ijpq,niq->nijp", self.W, u)
+
+    def forward(self, u: torch.Tensor, iterations: int | None = None):
+        from ..routing import dynamic_routing
+        return dynamic_routing(self.votes(u), iterations or self.iterations, detach=self.detach)
+
+
+def train_part_whole(variant: str, u, y, epochs: int, seed: int, lr: float = 0.01, batch: int = 64) -> PartWholeCaps:
+    """Train :class:`PartWholeCaps` on ``(u, y)`` with the margin loss: ``variant`` is ``full``,
+    ``detached`` or ``uniform`` (one iteration), from the same seed for all three."""
+    from ..ops import margin_loss
+    detach, iterations = {"full": (False, 3), "detached": (True, 3), "uniform": (False, 1)}[variant]
+    net = PartWholeCaps(u.shape[1], int(y.max()) + 1, u.shape[2], iterations, detach, seed)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(u), generator=g).split(batch):
+            v, _ = net(u[idx])
+            loss = margin_loss(v.norm(dim=-1), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return net
+
+
+@torch.no_grad()
+def part_whole_effect(net: PartWholeCaps, u, y) -> dict:
+    """On ``(u, y)``: accuracy routed (three iterations) and with uniform couplings, the mean
+    ||v(3) - v(1)|| / ||v(1)||, and the couplings' mean row entropy over ln J."""
+    v3, c = net(u, 3)
+    v1, _ = net(u, 1)
+    J = c.shape[-1]
+    ent = -(c * c.clamp_min(1e-30).log()).sum(-1).mean()
+    return {"accuracy_routed": float((v3.norm(dim=-1).argmax(1) == y).float().mean()),
+            "accuracy_K1": float((v1.norm(dim=-1).argmax(1) == y).float().mean()),
+            "v_change_mean": float(((v3 - v1).flatten(1).norm(dim=1) / v1.flatten(1).norm(dim=1)).mean()),
+            "row_entropy_over_log_J": float(ent) / math.log(J)}
+
+
+def part_whole_second_term(net: PartWholeCaps, u, y) -> float:
+    """The second term's share of the votes' gradient (GT1) for ``net``'s votes on ``(u, y)``, three
+    iterations, float64."""
+    from .. import coupling_gradient as cg
+    from ..ops import margin_loss
+    from ..routing import dynamic_routing
+
+    u_hat = net.votes(u).detach().double()
+    w = u_hat.clone().requires_grad_(True)
+    v, _ = dynamic_routing(w, 3)
+    (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), y), v)
+    return cg.second_term_ratio(u_hat, gv, 3)

@@ -192,3 +192,81 @@ def glue_summary(key: str, s: Summary | Binomial) -> None:
     for name, v in items.items():
         glue(f"{key}_{name}", float(v), display=False)
     glue(f"{key}_n", int(n), display=False)
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+@dataclass(frozen=True)
+class Equivalence:
+    """A paired difference ``d`` (one value per seed) read against a margin of practical equivalence
+    ``margin`` declared before the run, by two one-sided t tests at ``alpha`` each: the difference is
+    *equivalent* (inside ``±margin``) when the ``1 - 2 alpha`` interval of its mean lies inside the
+    margin, and *resolved* (not zero) when the two-sided ``1 - alpha`` interval (the usual 95 %)
+    excludes 0. ``kind`` combines both:
+
+    - ``"equivalent"``: inside the margin, and no difference resolved;
+    - ``"small"``: a difference resolved, but inside the margin (different, not in practice);
+    - ``"higher"`` / ``"lower"``: a difference resolved that the margin does not contain;
+    - ``"unsettled"``: neither: the interval is too wide for this margin and these seeds.
+    """
+    d: Summary
+    margin: float
+    alpha: float = 0.05
+
+    def __post_init__(self):
+        if not self.margin > 0:
+            raise ValueError(f"equivalence: the margin must be positive, got {self.margin}")
+        if not 0 < self.alpha < 0.5:
+            raise ValueError(f"equivalence: alpha must lie in (0, 0.5), got {self.alpha}")
+        if self.d.n < 2:
+            raise ValueError("equivalence: needs at least two seeds (a single run has no interval)")
+
+    @property
+    def tost_interval(self) -> tuple[float, float]:
+        half = _t_quantile(1 - 2 * self.alpha, self.d.n - 1) * self.d.se
+        return self.d.mean - half, self.d.mean + half
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        half = _t_quantile(1 - self.alpha, self.d.n - 1) * self.d.se
+        return self.d.mean - half, self.d.mean + half
+
+    @property
+    def equivalent(self) -> bool:
+        lo, hi = self.tost_interval
+        return -self.margin < lo and hi < self.margin
+
+    @property
+    def resolved(self) -> bool:
+        lo, hi = self.interval
+        return lo > 0 or hi < 0
+
+    @property
+    def kind(self) -> str:
+        if self.equivalent:
+            return "small" if self.resolved else "equivalent"
+        if self.resolved:
+            return "higher" if self.d.mean > 0 else "lower"
+        return "unsettled"
+
+    @property
+    def signs(self) -> tuple[int, int]:
+        """Seeds with a positive and with a negative difference."""
+        return sum(v > 0 for v in self.d.values), sum(v < 0 for v in self.d.values)
+
+    def clause(self, who: str, ref: str, fmt: str = ".3f", ref_words: str | None = None) -> str:
+        """``who`` against ``ref`` in words (``ref_words`` in the sentence if given), with the numbers
+        that decide it."""
+        lo, hi = self.tost_interval
+        pos, neg = self.signs
+        n = self.d.n
+        numbers = (f"{who} − {ref}: {format(self.d.mean, '+' + fmt)}, {1 - 2 * self.alpha:.0%} interval "
+                   f"{format(lo, '+' + fmt)} to {format(hi, '+' + fmt)} against a margin of ±{format(self.margin, fmt)}; "
+                   f"higher in {pos} of {n} seeds, lower in {neg}")
+        ref = ref_words or ref
+        said = {"equivalent": f"is equivalent to {ref} within the margin",
+                "small": f"is {'higher' if self.d.mean > 0 else 'lower'} than {ref}, by less than the margin",
+                "higher": f"is higher than {ref}, by more than the margin allows",
+                "lower": f"is lower than {ref}, by more than the margin allows",
+                "unsettled": f"cannot be told from {ref} or called equivalent with these seeds"}[self.kind]
+        return f"{said} ({numbers})"

@@ -43,3 +43,15 @@ def test_every_chapter_opens_with_the_scale_box():
         glue_cell = next(c for c in cells if "page.glue_scale" in "".join(c["source"]))
         assert "paper-scale" in glue_cell["metadata"]["tags"] and f'"{nb_path.name[:2]}"' in "".join(glue_cell["source"])
         assert code[0].strip().endswith("setup()")
+
+
+def test_setup_lets_pandas_show_whole_tables():
+    import pandas as pd
+
+    from capslib.book import session
+    with pd.option_context("display.max_rows", 10, "display.max_colwidth", 5):
+        session.whole_tables()
+        assert pd.get_option("display.max_rows") is None and pd.get_option("display.max_colwidth") is None
+        frame = pd.DataFrame({"note": ["x" * 80] * 70})
+        text = frame.to_string()
+        assert "…" not in text and "..." not in text and len(text.splitlines()) == 71

@@ -108,6 +108,17 @@ def cpu_label(threads: int | None = None) -> str:
     return f"{cpu_name()}, {n} thread{'' if n == 1 else 's'}"
 
 
+def whole_tables() -> None:
+    """Let pandas show every row, column and cell of a table in full: a reader of the published page
+    cannot scroll a truncated DataFrame, and a note cut to "…" loses its end."""
+    try:
+        import pandas as pd
+    except ImportError:  # pragma: no cover
+        return
+    for option in ("display.max_rows", "display.max_columns", "display.max_colwidth"):
+        pd.set_option(option, None)
+
+
 def retina_figures() -> bool:
     """In a Jupyter kernel, show matplotlib figures as retina PNGs: drawn at twice the figure's dpi,
     with the figure's size in CSS pixels in the output's metadata (myst-nb writes it as the image's
@@ -176,6 +187,7 @@ def setup(seed: int | None = None, device: str | torch.device | None = None, qui
     else:
         name = cpu_label()
     retina_figures()
+    whole_tables()
     sess = Session(profile=profile, device=dev, seed=seed, started=time.time())
     _STATE["session"] = sess
     switches.set_run_defaults(dev, seed, sess.started)

@@ -17,6 +17,9 @@ LEAKS = {
     "a machine path": re.compile(r"PosixPath\(|(?<![\w.~])/(?:work|home|root|tmp|Users|mnt|opt|var|usr)/|[A-Z]:\\\\"),
     "an internal label (readers know equation numbers, not labels)": viz.INTERNAL_LABEL,
     "a training resumed from an earlier execution": re.compile(r"already trained|^resuming |\nresuming "),
+    # pandas cuts long tables to "..." rows with an "N rows x M columns" footer, and long cells to "...":
+    # a reader of the page cannot scroll them (capslib.book.session.whole_tables turns both off)
+    "a table cut by pandas": re.compile(r"\d+ rows × \d+ columns|\.\.\.</td>"),
 }
 # Outputs known to break a rule, each with its reason; strict: an entry whose notebook no longer
 # shows it must go. Empty since chapters 2 and 4 were re-executed from scratch (2026-11-22).

@@ -639,21 +639,28 @@ def routing_effect(net, split, batch: int = 1000) -> tuple[dict, dict]:
         torch.histc(r.clamp(0, 2), bins=40, min=0, max=2))}
 
 
-def _second_term(net, probe, digits: int) -> dict:
-    """The second term's share of the votes' gradient (GT1) on the first ``digits`` probe digits, in
-    float64, for routing with three iterations on the trained votes."""
+def second_term_share(u_hat: torch.Tensor, y: torch.Tensor, iterations: int = 3) -> float:
+    """The second term's share of the votes' gradient (GT1) for votes ``u_hat`` (B, I, J, D) of digits
+    labelled ``y``, the gradient arriving at the outputs being the margin loss's; float64."""
     from .. import coupling_gradient as cg
     from ..ops import margin_loss
     from ..routing import dynamic_routing
 
-    net.eval()
-    K = UNIT_SCHEDULE["iterations"]
-    with torch.no_grad():
-        u_hat = net.digit.votes(net.primary_capsules(probe.x[:digits])).double()
+    u_hat = u_hat.detach().double()
     u = u_hat.clone().requires_grad_(True)
-    v, _ = dynamic_routing(u, K)
-    (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), probe.y[:digits]), v)
-    return {"ratio": cg.second_term_ratio(u_hat, gv, K), "digits": int(min(digits, len(probe)))}
+    v, _ = dynamic_routing(u, iterations)
+    (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), y), v)
+    return cg.second_term_ratio(u_hat, gv, iterations)
+
+
+def _second_term(net, probe, digits: int) -> dict:
+    """The second term's share of the votes' gradient (GT1) on the first ``digits`` probe digits, in
+    float64, for routing with three iterations on the trained votes."""
+    net.eval()
+    with torch.no_grad():
+        u_hat = net.digit.votes(net.primary_capsules(probe.x[:digits]))
+    return {"ratio": second_term_share(u_hat, probe.y[:digits], UNIT_SCHEDULE["iterations"]),
+            "digits": int(min(digits, len(probe)))}
 
 
 def unit_run(unit, device: torch.device, smoke: bool) -> dict:
@@ -913,13 +920,5 @@ def part_whole_effect(net: PartWholeCaps, u, y) -> dict:
 
 def part_whole_second_term(net: PartWholeCaps, u, y) -> float:
     """The second term's share of the votes' gradient (GT1) for ``net``'s votes on ``(u, y)``, three
-    iterations, float64."""
-    from .. import coupling_gradient as cg
-    from ..ops import margin_loss
-    from ..routing import dynamic_routing
-
-    u_hat = net.votes(u).detach().double()
-    w = u_hat.clone().requires_grad_(True)
-    v, _ = dynamic_routing(w, 3)
-    (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), y), v)
-    return cg.second_term_ratio(u_hat, gv, 3)
+    iterations, float64 (:func:`second_term_share`)."""
+    return second_term_share(net.votes(u), y, 3)

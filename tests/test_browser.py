@@ -31,7 +31,14 @@ A page fails on
   script ``book/_static/capsbook.js`` keeps each output image at least 1/1.75 of its declared width
   and lets its output area scroll sideways, so a phone shows figures legibly rather than whole;
 - at 1280 px, an output column narrower than ``capslib.book.viz.COLUMN_PX`` (688 px): every figure's
-  smallest text is measured for that column (``tests/test_outputs.py``, at least 9 pt there).
+  smallest text is measured for that column (``tests/test_outputs.py``, at least 9 pt there);
+- what a reader sees cut: a page wider than the viewport (it scrolls sideways as a whole), a display
+  equation wider than its column or running under its number, a table cell that ends in an ellipsis,
+  pandas' "N rows x M columns" footer;
+- plumbing in the running text (what a reader sees without opening a collapsed block; code cells'
+  inputs are code and are left out): the word "asserted", a machine path or file name, a processor
+  name, a training-log line, a bare BibTeX key (a citation that did not resolve). The scoreboard is
+  the book's provenance page and is exempt from this one rule (:data:`PLUMBING_EXEMPT`).
 """
 from __future__ import annotations
 
@@ -122,6 +129,43 @@ def raw_tex(text: str) -> str | None:
     return text[max(0, m.start() - 30):m.end() + 30].replace("\n", " ")
 
 
+PLUMBING_EXEMPT = {"book/scoreboard.html"}
+PLUMBING = [
+    ("the word 'asserted'", re.compile(r"\basserted\b", re.I)),
+    ("a machine path or file name", re.compile(
+        r"(?<![\w/.])/(?:work|home|tmp|usr|root|mnt|opt|var)/[\w./-]+"
+        r"|\b[\w-]+(?:/[\w.-]+)*\.(?:py|ya?ml|json|pt|ipynb|csv|log|gz|npz)\b")),
+    ("a processor name", re.compile(r"\b(?:AMD EPYC|EPYC|Xeon|Intel\(R\)|AVX2|AVX-?512|Ryzen|Neoverse|Graviton)\b")),
+    ("a training-log line", re.compile(r"\bepoch\s+\d+\s*/\s*\d+\b[^\n]{0,80}?\b(?:loss|acc(?:uracy)?)\b", re.I)),
+    ("pandas' table footer", re.compile(r"\b\d+ rows \u00d7 \d+ columns\b")),
+]
+
+
+@functools.lru_cache(maxsize=1)
+def bibtex_keys() -> frozenset[str]:
+    """The citation keys of references.bib: one in the running text is a citation that did not resolve."""
+    return frozenset(re.findall(r"^@\w+\{([^,\s]+),", (ROOT / "references.bib").read_text(), re.M))
+
+
+def plumbing(text: str, keys: frozenset[str] = frozenset()) -> list[str]:
+    """What of :data:`PLUMBING` (and bare citation ``keys``) the running ``text`` holds, with context."""
+    found = []
+    for what, rx in PLUMBING:
+        for m in rx.finditer(text):
+            ctx = text[max(0, m.start() - 40):m.end() + 40].replace("\n", " ")
+            found.append(f"{what}: ...{ctx}...")
+    for key in sorted(keys):
+        m = re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])", text)
+        if m:
+            found.append(f"a bare BibTeX key: ...{text[max(0, m.start() - 40):m.end() + 40]}...")
+    return found
+
+
+def cut_cells(cells: list[str]) -> list[str]:
+    """The table cells among ``cells`` (their text) that end in an ellipsis: cut, not whole."""
+    return [c for c in cells if c.rstrip().endswith(("\u2026", "..."))]
+
+
 def test_helpers_without_a_browser():
     import io
 
@@ -144,6 +188,16 @@ def test_helpers_without_a_browser():
     assert raw_tex(r"the norm \frac{a}{b} of") and raw_tex("so $$x$$") and raw_tex(r"where $x_i$ is")
     assert raw_tex(r"\begin{aligned} a") and raw_tex(r"in \mathbb{R}^n")
     assert raw_tex("costs $5 and $6 today") is None and raw_tex("plain prose, no math") is None
+    keys = frozenset({"sabour2017dynamic"})
+    for bad in ("the claim is asserted below", "written to book/results/ci/02.json", "see /tmp/x/y",
+                "starting from 06_rem_start_s0.pt", "on an AMD EPYC with AVX2 kernels",
+                "epoch 3/10  loss 0.214  val_acc 0.91", "[5 rows \u00d7 3 columns]", "as in sabour2017dynamic shows"):
+        assert plumbing(bad, keys), bad
+    for fine in ("Sabour et al. (2017) route by agreement", "the margin loss of Eq. (2.4), 0.9 and 0.1",
+                 "after epoch 3 of 10 the loss falls", "a 3.5 % error", "the 16-D pose; p/q = 0.5"):
+        assert plumbing(fine, keys) == [], (fine, plumbing(fine, keys))
+    assert "sabour2017dynamic" in bibtex_keys()
+    assert cut_cells(["1,112,208 para\u2026", "0.25", "sees ...", "ok"]) == ["1,112,208 para\u2026", "sees ..."]
 
 
 # -- the browser -------------------------------------------------------------------------------
@@ -264,6 +318,36 @@ MOVE_SLIDERS = """() => {
   return out;
 }"""
 
+READING = """() => {
+  const root = document.querySelector('main') || document.body;
+  const skip = 'script,style,mjx-container,mjx-assistive-mml,.MathJax,div.cell_input,.headerlink';
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  const parts = [];
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const el = n.parentElement;
+    if (!el || el.closest(skip) || !n.textContent.trim()) continue;
+    if (!el.getClientRects().length || getComputedStyle(el).visibility === 'hidden') continue;  // not rendered
+    parts.push(n.textContent);
+  }
+  const cells = Array.from(root.querySelectorAll('td, th')).filter(c => c.getClientRects().length)
+    .map(c => c.textContent.trim());
+  const equations = [];
+  root.querySelectorAll('div.math').forEach(d => {
+    if (!d.getClientRects().length) return;
+    const m = d.querySelector('mjx-container mjx-math');
+    if (!m) return;
+    const box = d.getBoundingClientRect(), r = m.getBoundingClientRect();
+    const no = d.querySelector('.eqno');
+    const n = no && no.getClientRects().length ? no.getBoundingClientRect() : null;
+    const under = !!(n && n.width && r.top < n.bottom && r.bottom > n.top && r.right > n.left + 1);
+    const cut = r.right > box.right + 1 || r.left < box.left - 1;
+    if (cut || under) equations.push({label: no ? no.textContent.trim() : d.textContent.trim().slice(0, 40),
+                                      width: Math.round(r.width), column: Math.round(box.width), under: under});
+  });
+  return {text: parts.join(' '), cells: cells, equations: equations,
+          page: document.documentElement.scrollWidth, viewport: window.innerWidth};
+}"""
+
 NAV_LINKS = """(w) => Array.from(document.querySelectorAll('.bd-sidebar-primary nav a, dialog nav a')).filter(a => {
   const r = a.getBoundingClientRect(); const s = getComputedStyle(a);
   return r.width > 0 && r.height > 0 && r.right > 0 && r.left < w && s.visibility !== 'hidden';
@@ -372,6 +456,21 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
                 problems.append(f"raw TeX: ...{snippet}...")
         for err in found["errors"]:
             problems.append(f"MathJax error: {err[:160]}")
+        if state == "ok":  # capsbook.js fits display equations to their column once MathJax has typeset
+            try:
+                pg.wait_for_function("document.documentElement.dataset.capsbookMath === 'fitted'", timeout=10_000)
+            except Exception:
+                problems.append("capsbook.js did not fit the display equations (no data-capsbook-math)")
+        seen = pg.evaluate(READING)
+        if seen["page"] > seen["viewport"] + 1:
+            problems.append(f"page {seen['page']} px wide in a {seen['viewport']} px viewport (scrolls sideways)")
+        for eq in seen["equations"]:
+            problems.append(f"equation {eq['label']!r} " + (f"runs under its number" if eq["under"] else
+                            f"{eq['width']} px wide in a {eq['column']} px column"))
+        for cell in cut_cells(seen["cells"]):
+            problems.append(f"table cell cut: {cell[-60:]!r}")
+        if page not in PLUMBING_EXEMPT:
+            problems += [f"in the running text, {p}" for p in plumbing(seen["text"], bibtex_keys())]
         for fig in pg.evaluate(MOVE_SLIDERS):
             info["figures"] += 1
             if "problem" in fig:

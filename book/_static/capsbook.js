@@ -20,3 +20,48 @@
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();
 })();
+
+// Display equations fit their column. Where an equation and its number do not fit side by side, the
+// number goes below the equation (class capsbook-eq-stack); an equation still wider than the column is
+// set in a smaller font, down to MIN_SCALE of its size (a phone's column is about 350 px); one that is
+// wider even then scrolls sideways inside its own box. Done once MathJax has typeset the page, and
+// again when the window changes width. The browser test (tests/test_browser.py) fails on any display
+// equation wider than its column or running under its number.
+(function () {
+  var MIN_SCALE = 0.62, GAP = 6;
+  function fitOne(d) {
+    var c = d.querySelector("mjx-container"), m = c && c.querySelector("mjx-math");
+    if (!m) return;
+    c.style.fontSize = "";
+    c.style.overflowX = "";
+    d.classList.remove("capsbook-eq-stack");
+    var no = d.querySelector("span.eqno");
+    var column = d.clientWidth, width = m.getBoundingClientRect().width;
+    if (!column || !width) return;
+    var beside = no ? no.getBoundingClientRect().width + GAP : 0;
+    if (width <= column - beside) return;                // centred in the line beside the number
+    if (no) d.classList.add("capsbook-eq-stack");
+    if (width <= column) return;
+    var size = parseFloat(getComputedStyle(c).fontSize);
+    var scale = Math.max(MIN_SCALE, (column - 2) / width);
+    c.style.fontSize = (size * scale).toFixed(2) + "px";
+    if (m.getBoundingClientRect().width > column) c.style.overflowX = "auto";
+  }
+  function fitAll() {
+    document.querySelectorAll("div.math").forEach(fitOne);
+    document.documentElement.dataset.capsbookMath = "fitted";
+  }
+  var started = Date.now();
+  (function whenTypeset() {
+    var mj = window.MathJax;
+    if (mj && mj.startup && mj.startup.promise) mj.startup.promise.then(fitAll);
+    else if (Date.now() - started < 60000) setTimeout(whenTypeset, 100);
+  })();
+  var lastWidth = window.innerWidth, timer = null;
+  window.addEventListener("resize", function () {
+    if (window.innerWidth === lastWidth) return;
+    lastWidth = window.innerWidth;
+    clearTimeout(timer);
+    timer = setTimeout(fitAll, 150);
+  });
+})();

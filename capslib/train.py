@@ -213,8 +213,9 @@ def fit(
             if "rng" in state:
                 torch.set_rng_state(state["rng"].cpu())
             if source != Path(checkpoint):  # a shared start (``start_from``), made earlier in this run
-                print(f"starting from {source.name} ({start} epoch{'s' * (start != 1)} trained), "
-                      f"training epochs {start + 1}-{epochs}")
+                if progress:               # (nothing of the caller's is resumed: quiet when progress is off)
+                    print(f"starting from {source.name} ({start} epoch{'s' * (start != 1)} trained), "
+                          f"training epochs {start + 1}-{epochs}")
             elif start >= epochs:
                 print(f"loaded {source.name}: {start} epochs already trained")
             elif stop_when is not None and stop_when(history):

@@ -330,8 +330,11 @@ def test_start_from_continues_a_shared_shorter_run(tmp_path, capsys):
     train.fit(_tiny(), d, _loss, epochs=1, batch_size=16, checkpoint=start, progress=False)
     capsys.readouterr()
     continued = _tiny()
-    h = train.fit(continued, d, _loss, epochs=2, batch_size=16, checkpoint=cont, start_from=start, progress=False)
+    h = train.fit(continued, d, _loss, epochs=2, batch_size=16, checkpoint=cont, start_from=start)
     assert "starting from start.pt (1 epoch trained), training epochs 2-2" in capsys.readouterr().out and len(h["loss"]) == 2
+    quiet = train.fit(_tiny(), d, _loss, epochs=2, batch_size=16, checkpoint=tmp_path / "quiet.pt", start_from=start,
+                      progress=False)        # the shared start is taken silently when progress is off
+    assert "starting from" not in capsys.readouterr().out and quiet["loss"] == h["loss"]
     for a, b in zip(straight.state_dict().values(), continued.state_dict().values()):
         torch.testing.assert_close(a, b)
     # a start of another configuration (other weights) is not continued

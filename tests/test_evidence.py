@@ -26,7 +26,11 @@ def test_paper_text_keeps_printed_precision():
     assert paper.text("rem_entropy_q", pm=True) == "9.53 ± 0.54 bits"
     assert paper.text("hauser_train_minutes") == "15 min"
     assert paper.value("rem_sparsity") == pytest.approx(85.53)
-    assert paper.source("rem_sparsity") == "renzulli2025capsules, Table 9"
+    assert paper.source("rem_sparsity") == "Renzulli et al. 2025, Table 9"
+    assert paper.cite("gu2020improving") == "Gu and Tresp (2020)" and paper.cite("hauser2019poe") == "Hauser (2019)"
+    assert paper.cite("lecun1998mnist", parenthetical=True) == "LeCun et al. 1998"
+    with pytest.raises(ValueError, match="not an entry of references.bib"):
+        paper.cite("nobody1999")
 
 
 def test_paper_unknown_key_is_a_clear_error():
@@ -88,7 +92,7 @@ def test_paper_vs_book_takes_keys_and_refuses_typed_paper_numbers():
         ("ImageNet", None, "not run"),
     ])
     assert df.loc["MNIST error", "paper"].startswith("0.25 ± 0.005%")
-    assert "sabour2017dynamic, Table 1" in df.loc["MNIST error", "paper"]
+    assert "(Sabour et al. 2017, Table 1)" in df.loc["MNIST error", "paper"]
     assert df.loc["ImageNet", "paper"] == "not reported"
     with pytest.raises(ValueError, match="paper_results.yml"):
         results.paper_vs_book([("MNIST error", "0.25%", "3.6%")])

@@ -52,14 +52,18 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
     monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: published.append(data))
     draw, calls = _draw_calls()
-    assert widgets.interactive_figure(draw, iteration=(1, 5, 1, 3), scale=(0.5, 1.5, 0.5, 1.0)) is None
+    assert widgets.interactive_figure(draw, iteration=(1, 5, 1, 3), scale=(0.5, 1.5, 0.5, 1.0),
+                                      names={"iteration": "routing iteration r", "scale": "vote scale α"}) is None
     live = widgets.last_live
     assert len(shown) == 1
     page = shown[0].data
     assert page.count("data:image/png;base64,") == 1 + 5  # the start frame's <img> and the 5 frames
     assert 'type="range"' in page and 'max="4"' in page and 'value="2"' in page
     assert [c for c in calls[:5]] == [(i, 1.0) for i in range(1, 6)]
-    assert re.findall(r"iteration = (\d)", page)[:1] == ["3"] and "iteration = 5" in page
+    assert re.findall(r"routing iteration r = (\d)", page)[:1] == ["3"] and "routing iteration r = 5" in page
+    # the reader's names, never draw's argument names
+    assert "vote scale α = 1.0" in page and not re.search(r"(?<![\w ])(iteration|scale) =", page)
+    assert live.children[0].description == "routing iteration r"
     assert len(published) == 1 and list(published[0]) == ["application/vnd.jupyter.widget-view+json"]
     # frames are retina PNGs shown at the figure's size in CSS pixels: half their pixel width
     first = base64.b64decode(re.search(r'src="data:image/png;base64,([^"]+)"', page).group(1))
@@ -99,16 +103,22 @@ def test_interactive_figure_rejects_a_knob_that_changes_nothing_and_bad_controls
     monkeypatch.setattr(IPython.display, "display", lambda obj: None)
     monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: None)
     draw, _ = _draw_calls()
+    it = {"iteration": "routing iteration"}
     with pytest.raises(AssertionError, match="does not change between values 0.5 and 1.0"):
-        widgets.interactive_figure(lambda scale=1.0, iteration=0: draw(0, scale), scale=(0.5, 1.5, 0.5))
+        widgets.interactive_figure(lambda scale=1.0, iteration=0: draw(0, scale), scale=(0.5, 1.5, 0.5),
+                                   names={"scale": "scale"})
     with pytest.raises(ValueError, match="frames must name one of the controls"):
-        widgets.interactive_figure(draw, frames="nope", iteration=(1, 5, 1))
+        widgets.interactive_figure(draw, frames="nope", iteration=(1, 5, 1), names=it)
     with pytest.raises(ValueError, match="step > 0"):
-        widgets.interactive_figure(draw, iteration=(1, 5, 0))
+        widgets.interactive_figure(draw, iteration=(1, 5, 0), names=it)
     with pytest.raises(ValueError, match="at most 60 frames"):
-        widgets.interactive_figure(draw, iteration=(1, 100, 1))
+        widgets.interactive_figure(draw, iteration=(1, 100, 1), names=it)
     with pytest.raises(TypeError, match="must be a widget, a list of options"):
-        widgets.interactive_figure(draw, iteration="three")
+        widgets.interactive_figure(draw, iteration="three", names=it)
+    with pytest.raises(ValueError, match=r"name every control for the reader.*unnamed: \['scale'\]"):
+        widgets.interactive_figure(draw, iteration=(1, 5, 1), scale=(0.5, 1.5, 0.5), names=it)
+    with pytest.raises(ValueError, match=r"names \['dim'\] are not controls"):
+        widgets.interactive_figure(draw, iteration=(1, 5, 1), names={**it, "dim": "dimension"})
     matplotlib.pyplot.close("all")
 
 
@@ -122,11 +132,11 @@ def test_interactive_figure_dropdown_starts_at_its_value(monkeypatch):
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
     monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: None)
     draw, calls = _draw_calls()
-    widgets.interactive_figure(draw, iteration=([2, 5, 11, 16], 11))
+    widgets.interactive_figure(draw, iteration=([2, 5, 11, 16], 11), names={"iteration": "iterations T"})
     assert widgets.last_live.children[0].value == 11 and calls[:4] == [(2, 1.0), (5, 1.0), (11, 1.0), (16, 1.0)]
-    assert 'value="2"' in shown[0].data and "iteration = 11</output>" in shown[0].data
+    assert 'value="2"' in shown[0].data and "iterations T = 11</output>" in shown[0].data
     with pytest.raises(ValueError, match="start value 3 is not among the options"):
-        widgets.interactive_figure(draw, iteration=([2, 5], 3))
+        widgets.interactive_figure(draw, iteration=([2, 5], 3), names={"iteration": "iterations T"})
     matplotlib.pyplot.close("all")
 
 

@@ -110,10 +110,35 @@ def text(key: str, pm: bool = False) -> str:
     return num + ("%" if unit == "%" else f" {unit}" if unit else "")
 
 
+@lru_cache(maxsize=None)
+def _bib_entries(path: str = str(BIB)) -> dict[str, dict[str, str]]:
+    """``key -> {field: value}`` of references.bib (the top-level ``field = {value}`` pairs)."""
+    out: dict[str, dict[str, str]] = {}
+    for m in re.finditer(r"^@\w+\{([^,\s]+),(.*?)^\}", Path(path).read_text(), flags=re.M | re.S):
+        out[m.group(1)] = {f.lower(): v.strip() for f, v in
+                           re.findall(r"^\s*(\w+)\s*=\s*\{(.*?)\},?\s*$", m.group(2), flags=re.M)}
+    return out
+
+
+def cite(paper_key: str, parenthetical: bool = False) -> str:
+    """A reader's citation of a references.bib key: ``Sabour et al. (2017)``, ``Gu and Tresp (2020)``,
+    ``Hauser (2019)`` (the first authors' surnames and the year); ``parenthetical``: ``Sabour et al.
+    2017``, for use inside parentheses."""
+    e = _bib_entries().get(paper_key)
+    if e is None or "author" not in e or "year" not in e:
+        raise ValueError(f"cite: {paper_key!r} is not an entry of references.bib with an author and a year")
+    surnames = [a.split(",")[0].strip() if "," in a else a.strip().split()[-1]
+                for a in re.split(r"\s+and\s+", e["author"])]
+    surnames = [re.sub(r"[{}]", "", s) for s in surnames]
+    who = surnames[0] if len(surnames) == 1 else " and ".join(surnames) if len(surnames) == 2 \
+        else f"{surnames[0]} et al."
+    return f"{who} {e['year']}" if parenthetical else f"{who} ({e['year']})"
+
+
 def source(key: str) -> str:
-    """Where the number is printed: ``renzulli2022rem, Table 9``."""
+    """Where the number is printed, as a reader cites it: ``Renzulli et al. 2025, Table 9``."""
     e = entry(key)
-    return f"{e['paper']}, {e['where']}"
+    return f"{cite(e['paper'], parenthetical=True)}, {e['where']}"
 
 
 def keys(chapter: str | None = None) -> list[str]:

@@ -163,9 +163,14 @@ def _publish_live(widget) -> None:
     publish_display_data({k: v for k, v in (data or {}).items() if k != "text/plain"})
 
 
-def interactive_figure(draw: Callable, frames: str | None = None, **controls):
+def interactive_figure(draw: Callable, frames: str | None = None, names: dict[str, str] | None = None,
+                       **controls):
     """``draw(**values) -> Figure`` driven by controls: a frame player for the page (over the control
     ``frames``, default the first) and live ipywidgets for a running notebook (see the module).
+
+    ``names`` gives every control the name a reader sees beside its slider, in words or in the
+    chapter's notation (``{"m_pos": "margin m⁺"}``): the keyword is ``draw``'s argument, a Python
+    name, and is never shown. A control without a name raises.
 
     Each control is an ipywidgets widget, or a ``(min, max, step[, value])`` tuple
     (int slider if all ints, float slider otherwise), or a list of options (a dropdown starting at
@@ -178,7 +183,17 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
 
     if not controls:
         raise ValueError("interactive_figure needs at least one control")
+    names = dict(names or {})
+    unnamed = [k for k in controls if not str(names.get(k, "")).strip()]
+    if unnamed:
+        raise ValueError(f"interactive_figure: name every control for the reader, e.g. names={{{unnamed[0]!r}: "
+                         f"'routing iteration'}}; unnamed: {unnamed}")
+    if set(names) - set(controls):
+        raise ValueError(f"interactive_figure: names {sorted(set(names) - set(controls))} are not controls")
     made = _controls(controls)
+    for name, widget in made.items():
+        widget.description = names[name]
+        widget.style = {"description_width": "initial"}
     knob = frames or next(iter(made))
     if knob not in made:
         raise ValueError(f"frames must name one of the controls {sorted(made)}; got {knob!r}")
@@ -192,8 +207,8 @@ def interactive_figure(draw: Callable, frames: str | None = None, **controls):
         raise ValueError(f"the figure names equations by internal labels {labelled[:3]}: readers see equation "
                          f"numbers, so say it in words")
     sizes = [t["smallest_px"] for t in texts if t["smallest_px"] is not None]
-    title = f"{knob}" + (" (" + ", ".join(f"{k} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
-    display(HTML(player_html(pngs, [f"{knob} = {v}" for v in values], start, title,
+    title = names[knob] + (" (" + ", ".join(f"{names[k]} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
+    display(HTML(player_html(pngs, [f"{names[knob]} = {v}" for v in values], start, title,
                              smallest_text_px=min(sizes) if sizes else None)))
 
     def show(**values):

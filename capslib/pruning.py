@@ -154,9 +154,11 @@ def lobster_step(params: list[tuple[nn.Module, str]], lam: float, sensitivity: s
 
     Weights the loss is insensitive to shrink towards zero; weights with ``S >= 1`` are left
     alone. Returns the share of weights whose gate ``max(0, 1 - S)`` is below ``active_below``
-    with the raw sensitivity and with the one applied: ``{"raw": ..., "applied": ...}``.
+    with the raw sensitivity and with the one applied, and the mean gate applied, all over the live
+    weights: ``{"raw": ..., "applied": ..., "mean_gate": ...}`` (a mean gate of 1 is weight decay).
     """
     n = active_raw = active = 0
+    gate_sum = 0.0
     with torch.no_grad():
         for module, name in params:
             p = _orig(module, name)
@@ -169,8 +171,9 @@ def lobster_step(params: list[tuple[nn.Module, str]], lam: float, sensitivity: s
             n += int(live.sum())
             active_raw += int(((gate_raw < active_below) & live).sum())
             active += int(((gate < active_below) & live).sum())
+            gate_sum += float((gate * live).sum())
             p.sub_(lam * p * gate)
-    return {"raw": active_raw / max(n, 1), "applied": active / max(n, 1)}
+    return {"raw": active_raw / max(n, 1), "applied": active / max(n, 1), "mean_gate": gate_sum / max(n, 1)}
 
 
 def _live(module: nn.Module, name: str) -> torch.Tensor:
@@ -227,8 +230,8 @@ class LobsterPruner:
 
     ``before_step`` applies :func:`lobster_step` with ``lam`` (decayed by ``decay`` after
     every epoch) and the given ``sensitivity``; ``on_epoch_end`` runs :func:`threshold_search`
-    on ``val`` and records the sparsity in ``history["sparsity"]`` and the epoch's mean share of
-    gates below 0.99 in ``history["gate_active"]`` (``{"raw", "applied"}`` per epoch).
+    on ``val`` and records the sparsity in ``history["sparsity"]`` and, in ``history["gate_active"]``,
+    the epoch's means of :func:`lobster_step`'s record (``{"raw", "applied", "mean_gate"}`` per epoch).
     Pass both to :func:`capslib.train.fit`.
     """
 
@@ -247,7 +250,7 @@ class LobsterPruner:
     def _record_gates(self, history) -> None:
         if self._gates:
             history.setdefault("gate_active", []).append(
-                {k: sum(g[k] for g in self._gates) / len(self._gates) for k in ("raw", "applied")})
+                {k: sum(g[k] for g in self._gates) / len(self._gates) for k in self._gates[0]})
         self._gates = []
 
     def on_epoch_end(self, epoch, model, history) -> None:

@@ -307,12 +307,13 @@ def test_lobster_step_raw_is_weight_decay_for_small_gradients_and_max_gates():
     params = _one_layer(w, g)
     share = pruning.lobster_step(params, lam=0.1)                  # default: the formula as printed
     torch.testing.assert_close(params[0][0].weight.detach(), w - 0.1 * w * (1 - g.abs()))
-    assert share == {"raw": 0.0, "applied": 0.0}               # no gate below 0.99: plain weight decay
+    assert share == {"raw": 0.0, "applied": 0.0, "mean_gate": pytest.approx(1 - 7e-3 / 4)}  # no gate below 0.99
     params = _one_layer(w, g)
     share = pruning.lobster_step(params, lam=0.1, sensitivity="max")
     gate = torch.tensor([[0.75, 0.5, 0.0, 1.0]])                # 1 - |g| / max|g|
     torch.testing.assert_close(params[0][0].weight.detach(), w - 0.1 * w * gate)
     assert share["raw"] == 0.0 and share["applied"] == pytest.approx(0.75)
+    assert share["mean_gate"] == pytest.approx((0.75 + 0.5 + 0.0 + 1.0) / 4)
     params = _one_layer(w, g)
     pruning.lobster_step(params, lam=0.1, sensitivity="none")
     torch.testing.assert_close(params[0][0].weight.detach(), 0.9 * w)
@@ -325,6 +326,7 @@ def test_lobster_step_counts_only_live_weights():
     params[0][0].weight_orig.grad = torch.tensor([[1e-3, 2e-3, 4e-3, 0.0]])
     share = pruning.lobster_step(params, lam=0.1, sensitivity="max")
     assert share["applied"] == pytest.approx(2 / 3)                  # gates 0.75, 0.5 (live) and 1.0
+    assert share["mean_gate"] == pytest.approx((0.75 + 0.5 + 1.0) / 3)
 
 
 def test_matched_pruner_follows_the_targets_and_records_gates():

@@ -136,7 +136,7 @@ PLUMBING = [
         r"(?<![\w/.])/(?:work|home|tmp|usr|root|mnt|opt|var)/[\w./-]+"
         r"|\b[\w-]+(?:/[\w.-]+)*\.(?:py|ya?ml|json|pt|ipynb|csv|log|gz|npz)\b")),
     ("a processor name", re.compile(r"\b(?:AMD EPYC|EPYC|Xeon|Intel\(R\)|AVX2|AVX-?512|Ryzen|Neoverse|Graviton)\b")),
-    ("a training-log line", re.compile(r"\bepoch\s+\d+\s*/\s*\d+\b[^\n]{0,80}?\b(?:loss|acc(?:uracy)?)\b", re.I)),
+    ("a training-log line", re.compile(r"\bepoch\s+\d+\s*/\s*\d+(?:\s*:|\b[^\n]{0,80}?\b(?:loss|acc(?:uracy)?)\b)", re.I)),
     ("pandas' table footer", re.compile(r"\b\d+ rows \u00d7 \d+ columns\b")),
     ("a build command", re.compile(r"\bmake (?:spread|test|units|unit|book|reproduce|publish|bench|smoke|notebooks|"
                                    r"paper-scale|assignments|book-student|test-browser|bundle|data|gpu-data)\b")),
@@ -202,7 +202,7 @@ def test_helpers_without_a_browser():
     for bad in ("the claim is asserted below", "written to book/results/ci/02.json", "see /tmp/x/y",
                 "starting from 06_rem_start_s0.pt", "on an AMD EPYC with AVX2 kernels",
                 "epoch 3/10  loss 0.214  val_acc 0.91", "[5 rows \u00d7 3 columns]", "as in sabour2017dynamic shows",
-                "(5 seeds, 3 processor types; make spread)"):
+                "(5 seeds, 3 processor types; make spread)", "seed 0, CD-1 epoch 1/3: reconstruction error 0.08"):
         assert plumbing(bad, keys), bad
     assert plumbing("see book/x.yml; make spread", exempt={"a machine path or file name", "a build command"}) == []
     for fine in ("Sabour et al. (2017) route by agreement", "the margin loss of Eq. (2.4), 0.9 and 0.1",
@@ -518,6 +518,32 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
     finally:
         pg.close()
     return problems, info
+
+
+# Page weight budgets (the built site, 2026-11-26: 70 MB in all, of which MathJax 24 MB and the notebooks'
+# sources 22 MB; the heaviest page chapter 3 at 2.9 MB, 2.4 MB of it the frames of its slider, inlined).
+# Ceilings a little above today's, so that a page or the site cannot grow unnoticed.
+PAGE_BUDGET_MB = 3.5
+SITE_BUDGET_MB = 80.0
+
+
+def site_weight(html: Path) -> tuple[float, list[tuple[str, float]]]:
+    """The site's size in MB and its HTML pages with their sizes in MB, heaviest first."""
+    files = [p for p in html.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files) / 1e6
+    pages_mb = sorted(((p.relative_to(html).as_posix(), p.stat().st_size / 1e6) for p in files
+                       if p.suffix == ".html"), key=lambda t: -t[1])
+    return total, pages_mb
+
+
+@pytest.mark.skipif(not REQUESTED, reason="run by make test-browser on the strict build")
+def test_page_weights_within_budget():
+    assert (HTML / "book").is_dir(), f"no built book in {HTML} (make build-strict)"
+    total, pages_mb = site_weight(HTML)
+    heavy = [(p, mb) for p, mb in pages_mb if mb > PAGE_BUDGET_MB]
+    print(f"site {total:.1f} MB; heaviest pages: " + ", ".join(f"{p} {mb:.2f} MB" for p, mb in pages_mb[:3]))
+    assert not heavy, f"pages over the {PAGE_BUDGET_MB} MB budget: {heavy}"
+    assert total <= SITE_BUDGET_MB, f"the site is {total:.1f} MB, over its {SITE_BUDGET_MB} MB budget"
 
 
 @pytest.mark.skipif(not REQUESTED, reason="run by make test-browser (CAPSBOOK_BROWSER=1): it needs Chromium "

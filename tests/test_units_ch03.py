@@ -108,7 +108,8 @@ def test_paper_scale_views_from_smoke_results(smoke_root, monkeypatch):
     assert frame.loc["M = 4", "minus M = 1 (same seed)"] == f"{main['test_accuracy'] - one:+.4f}"
     assert frame.loc["M = 8", "parameters"] == sum(p.numel() for p in ch03.unit_net(U.get("03/routes/M8/s0")).parameters())
     abl = ch03.ablation_frame(ag)
-    assert abl.loc["slides", "seeds"] == 1 and abl.loc["softmax gate", "entropy lost in epoch 1 (bits)"] == "not yet run"
+    assert abl.loc["the slides' network", "seeds"] == 1 and abl.loc["softmax gate", "entropy lost in epoch 1 (bits)"] == "not yet run"
+    assert "no r(j) in η" in abl.index and "no r in eta" not in abl.index     # the reader's names
     text = U.banner(rg + ag)
     assert "1 of 5 seeds run" in text and "M = 8 routes (0 of 5" in text and "03/" not in text
     figs = [ch03.draw_mixing(rg[2].results[0]), ch03.draw_mixing_curves(rg[2].results[0]),

@@ -341,6 +341,9 @@ _register_units()
 
 ABLATION_LABELS = {"slides": "the slides' network", "no r in eta": "no $r$ in $\\eta$", "softmax gate": "softmax gate",
                    "competitive error": "competitive error", "gates sum to 1": "gates sum to 1"}
+#: the variants as a reader sees them in tables and sentences (plain text: no TeX outside figures)
+READER_NAMES = {"slides": "the slides' network", "no r in eta": "no r(j) in η", "softmax gate": "softmax gate",
+                "competitive error": "competitive error", "gates sum to 1": "gates sum to 1"}
 
 
 def routes_groups(smoke: bool = False):
@@ -394,7 +397,7 @@ def ablation_frame(groups):
             cells = [c if c != "not yet run" else "–" for c in cells]
         else:
             cells = ["not yet run"] + ["–"] * 3
-        rows.append((v, *cells, len(g.results)))
+        rows.append((READER_NAMES[v], *cells, len(g.results)))
     return pd.DataFrame(rows, columns=["variant", "entropy lost in epoch 1 (bits)", "final entropy (bits)",
                                        "final I(route; class) (bits)", "test accuracy", "seeds"]).set_index("variant")
 

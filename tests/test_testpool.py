@@ -71,4 +71,4 @@ def test_commands_name_the_right_files():
     assert testpool.command("unit")[-1] == "tests"
     assert testpool.command("02")[-1].startswith("book/02_") and "--nbval-lax" in testpool.command("02")
     assert testpool.command("scoreboard")[-1] == "book/scoreboard.ipynb"
-    assert testpool.schedule(["unit", "01", "04"]) == ["04", "unit", "01"]
+    assert testpool.schedule(["01", "04", "unit"]) == ["unit", "04", "01"]

@@ -31,6 +31,7 @@ MASTERS = sorted((ROOT / "book" / "assignments").glob("*.ipynb"))
 OTTER_GRADED = "a6_parse_tree_entropy"        # the assignment graded through otter's own runner
 ROUTES = ("alias_before_install", "alias", "wrapper", "getattr", "import_inside", "importlib",
           "from_import", "reference", "reload")
+OTTER_ROUTES = ("importlib", "reference", "reload", "import_inside")   # graded through otter's own runner too
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -289,8 +290,11 @@ def test_otter_grades_the_zip(tmp_path, otter_built):
     solved = out / "autograder" / master.name
     pairs = grading.delegates(cfg)
     fns = sorted(fn for fn in pairs if any(c.lstrip().startswith(f"def {fn}(") for c in _code_cells(solved)))
-    routes = [r for r in ROUTES if r != "alias_before_install"]   # nothing of a submission runs before the guard
-    # spread the routes over the paired functions: each notebook uses one route per function
+    # Through otter's runner, one notebook whose graded functions each take another route (every route
+    # is graded in-process for every master by test_every_delegation_route_earns_nothing; here the
+    # routes that reach furthest: importing by name, asking the reference for the library, reloading
+    # the module). Each otter grading costs about 20 s of CPU, mostly a kernel importing torch.
+    routes = [r for r in OTTER_ROUTES if r != "alias_before_install"][:len(fns)]
     plans: list[dict[str, str]] = []
     for i, route in enumerate(routes):
         k, fn = divmod(i, len(fns))

@@ -198,10 +198,10 @@ def book_reading(key: str, metrics: dict) -> dict | None:
         if abs(summary.mean - float(raw)) > 1e-6 * max(1.0, abs(float(raw))):
             raise ValueError(f"{key}: the mean over seeds {summary.mean!r} is not the recorded {b['metric']} {raw!r}")
         return {"value": convert(summary.mean), "half": scale * summary.half if summary.n > 1 else None,
-                "n": summary.n, "how": f"mean ± 95% t-interval, {summary.n} seeds"}
+                "n": summary.n, "how": f"mean of {summary.n} seeds; ± 95% Student-t interval"}
     if "se" in b and metrics.get(b["se"]) is not None:
         return {"value": convert(float(raw)), "half": scale * 1.96 * float(metrics[b["se"]]), "n": 1,
-                "how": "one run ± 95% binomial"}
+                "how": "one run; ± 95% binomial interval"}
     if "seed_list" in b and isinstance(metrics.get(b["seed_list"]), list):
         n = len(metrics[b["seed_list"]])
         return {"value": convert(float(raw)), "half": None, "n": n,

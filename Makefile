@@ -70,13 +70,13 @@ book: $(STAMP)
 	@echo "book: _build/html/index.html"
 
 # the two HTML builds (the strict one and the student edition) read the committed notebooks and write
-# to separate folders, so they run side by side once the pool is done
+# to separate folders: they are jobs of the pool (they fill the slot the last chapters leave idle),
+# then the student edition is compared with the strict build
 test: checks
-	@$(MAKE) --no-print-directory -j2 build-strict book-student
 	@$(MAKE) --no-print-directory compare-student
 
-# the unit tests, every chapter and the scoreboard under nbval, as a pool (capslib/tools/testpool.py;
-# logs in _build/test-logs)
+# the unit tests, every chapter and the scoreboard under nbval, and the two HTML builds, as a pool
+# (capslib/tools/testpool.py; logs in _build/test-logs)
 checks: $(STAMP)
 	@$(PY) -m capslib.tools.testpool --jobs $(TEST_JOBS) --threads $(TEST_THREADS)
 

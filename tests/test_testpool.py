@@ -72,3 +72,7 @@ def test_commands_name_the_right_files():
     assert testpool.command("02")[-1].startswith("book/02_") and "--nbval-lax" in testpool.command("02")
     assert testpool.command("scoreboard")[-1] == "book/scoreboard.ipynb"
     assert testpool.schedule(["01", "04", "unit"]) == ["unit", "04", "01"]
+    assert testpool.command("html")[-1] == "build-strict" and testpool.command("student")[-1] == "book-student"
+    # the builds need no chapter: they come after the chapters in the order, before the scoreboard that waits
+    assert testpool.schedule(["scoreboard", "student", "html", "01"]) == ["01", "html", "student", "scoreboard"]
+    assert not testpool.AFTER.get("html") and not testpool.AFTER.get("student")

@@ -1,4 +1,4 @@
-"""``make test``'s checks as a pool: the unit tests and every chapter's nbval execution, two at a time.
+"""``make test``'s checks as a pool: the unit tests, every chapter's nbval execution and the HTML builds, two at a time.
 
 On the two-core machine ``make test`` is budgeted for, one process at two torch threads leaves a
 core idle much of the time (Python between the kernels, plotting, the kernel's messaging), and
@@ -6,7 +6,7 @@ nbval's chapters cannot share a process. Two processes at one thread each keep b
 Every claim a chapter asserts is measured at one thread as well as two (``make spread``; the
 README's spread table), so the thread count does not change what the test checks.
 
-    python -m capslib.tools.testpool --jobs 2 --threads 1                 # unit tests, chapters 1-7, scoreboard
+    python -m capslib.tools.testpool --jobs 2 --threads 1                 # unit tests, chapters 1-7, scoreboard, builds
     python -m capslib.tools.testpool --jobs 1 --threads 2 unit 02          # those only, one at a time
 
 Jobs start longest first (the order of :data:`ORDER`, from measured times) so that the two queues end
@@ -30,7 +30,11 @@ LOGS = ROOT / "_build" / "test-logs"
 # Longest first, from the jobs' times in the last fresh clones' pools (2026-11-26, 1 thread each: unit
 # tests 408-464 s, chapter 4 about 210 s, 2 about 200, 6 165, 5 130, 7 120, 3 70, 1 and scoreboard 20):
 # the unit tests once started fifth and ended alone, about 200 s after the other queue
-ORDER = ["unit", "04", "02", "06", "05", "07", "03", "01", "scoreboard"]
+ORDER = ["unit", "04", "02", "06", "05", "07", "03", "01", "html", "student", "scoreboard"]
+# The two HTML builds of make test (the strict one and the student edition, about 25-40 s each) read the
+# committed notebooks, so they need no chapter to finish: as jobs of the pool they fill the slot that the
+# last chapters leave idle instead of running after the pool (about 20-25 s less in all)
+BUILDS = {"html": "build-strict", "student": "book-student"}
 # job -> jobs that must have finished before it starts (of those in the run): chapter 7 loads chapter 2's
 # checkpoint, the scoreboard reads every chapter's results
 AFTER = {"07": {"02"}, "scoreboard": {"01", "02", "03", "04", "05", "06", "07"}}
@@ -47,9 +51,12 @@ def notebook(job: str) -> Path:
 
 
 def command(job: str) -> list[str]:
-    """The command line of one job: pytest on the unit tests, or nbval on one chapter."""
+    """The command line of one job: pytest on the unit tests (the slowest listed), nbval on one chapter,
+    or one of the Makefile's HTML builds (:data:`BUILDS`)."""
     if job == "unit":
-        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=12", "tests"]
+    if job in BUILDS:
+        return ["make", "--no-print-directory", BUILDS[job]]
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env",
             f"--nbval-cell-timeout={CELL_TIMEOUT}", str(notebook(job).relative_to(ROOT))]
 
@@ -67,7 +74,8 @@ def _run(job: str, env: dict) -> tuple[int, float, Path]:
     for attempt in (1, 2):
         with open(log, "w") as fh:
             rc = subprocess.run(command(job), cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
-        if rc == 0 or job == "unit" or attempt == 2 or "Timeout of" not in log.read_text(errors="replace"):
+        if rc == 0 or job == "unit" or job in BUILDS or attempt == 2 or \
+                "Timeout of" not in log.read_text(errors="replace"):
             break
         print(f"{job}: a cell timed out; executing the notebook once more", flush=True)
     return rc, time.perf_counter() - t0, log
@@ -81,7 +89,7 @@ def run(jobs: list[str], n_jobs: int = 2, threads: int = 1, profile: str = "ci")
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     for job in jobs:
-        if job != "unit":
+        if job != "unit" and job not in BUILDS:
             notebook(job)  # fails now, not in a thread, on a job that names no notebook
     env = dict(os.environ, CAPSBOOK_PROFILE=profile, CAPSBOOK_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads))
@@ -93,7 +101,8 @@ def run(jobs: list[str], n_jobs: int = 2, threads: int = 1, profile: str = "ci")
 
     def work(job: str) -> None:
         rc, seconds, log = _run(job, env)
-        what = "unit tests" if job == "unit" else f"nbval {notebook(job).name}"
+        what = ("unit tests" if job == "unit" else f"make {BUILDS[job]}" if job in BUILDS
+                else f"nbval {notebook(job).name}")
         with cond:
             print(f"{what}: {seconds:.0f} s" + ("" if rc == 0 else f", FAILED (exit {rc}; log {log})"), flush=True)
             if rc != 0:
@@ -119,12 +128,13 @@ def run(jobs: list[str], n_jobs: int = 2, threads: int = 1, profile: str = "ci")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m capslib.tools.testpool", description=__doc__.splitlines()[0])
-    p.add_argument("jobs", nargs="*", help="'unit' and chapter numbers (default: unit and every chapter)")
+    p.add_argument("jobs", nargs="*", help="'unit', chapter numbers, 'scoreboard', 'html' and 'student' "
+                   "(default: all of them)")
     p.add_argument("--jobs", dest="n_jobs", type=int, default=2, help="jobs at once (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per job (default 1)")
     args = p.parse_args(argv)
     jobs = args.jobs or (["unit"] + sorted(nb.name[:2] for nb in (ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
-                         + ["scoreboard"])
+                         + ["scoreboard", *BUILDS])
     try:
         t0 = time.perf_counter()
         n_failed = run(jobs, args.n_jobs, args.threads)

@@ -148,10 +148,12 @@ PLUMBING_EXEMPT = {"book/scoreboard.html": {what for what, _ in PLUMBING},
                    "book/assignments.html": {"a machine path or file name", "a build command"}}
 
 
-@functools.lru_cache(maxsize=1)
 def bibtex_keys() -> frozenset[str]:
-    """The citation keys of references.bib: one in the running text is a citation that did not resolve."""
-    return frozenset(re.findall(r"^@\w+\{([^,\s]+),", (ROOT / "references.bib").read_text(), re.M))
+    """The citation keys of references.bib (read as the sourced paper table reads them): one in the
+    running text is a citation that did not resolve."""
+    from capslib.book import paper
+
+    return frozenset(paper._bib_keys())
 
 
 def plumbing(text: str, keys: frozenset[str] = frozenset(), exempt: set[str] = frozenset()) -> list[str]:

@@ -339,11 +339,11 @@ _register_units()
 
 # ----------------------------------------------------------------------------- the chapter's paper-scale views
 
-ABLATION_LABELS = {"slides": "the slides' network", "no r in eta": "no $r$ in $\\eta$", "softmax gate": "softmax gate",
-                   "competitive error": "competitive error", "gates sum to 1": "gates sum to 1"}
 #: the variants as a reader sees them in tables and sentences (plain text: no TeX outside figures)
 READER_NAMES = {"slides": "the slides' network", "no r in eta": "no r(j) in η", "softmax gate": "softmax gate",
                 "competitive error": "competitive error", "gates sum to 1": "gates sum to 1"}
+#: the same in figure legends, where matplotlib sets TeX
+ABLATION_LABELS = {**READER_NAMES, "no r in eta": "no $r$ in $\\eta$"}
 
 
 def routes_groups(smoke: bool = False):

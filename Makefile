@@ -168,9 +168,12 @@ units: $(STAMP)
 assignments: $(STAMP)
 	$(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments
 
-# the HTML book without exercise solutions (sphinx-exercise's hide_solutions), in _build/student/_build/html
+# the HTML book without exercise solutions (sphinx-exercise's hide_solutions) and without the chapters'
+# functions that answer an assignment (the masters' book_answers), in _build/student/_build/html; the
+# folder is emptied first (Sphinx keeps files it no longer writes, e.g. an earlier build's _sources)
 book-student: $(STAMP)
-	@start=$$(date +%s); $(PY) -m capslib.tools.grading student-config --dest _build/student/_config.yml >/dev/null && \
+	@start=$$(date +%s); rm -rf _build/student/_build/html; \
+	  $(PY) -m capslib.tools.grading student-config --dest _build/student/_config.yml >/dev/null && \
 	  $(VENV)/bin/jupyter-book build . --builder html --config _build/student/_config.yml \
 	    --path-output _build/student --warningiserror --keep-going > _build/student-build.log 2>&1 \
 	    || { tail -n 30 _build/student-build.log; exit 1; }; \
@@ -182,7 +185,7 @@ student-check: build-strict book-student
 
 compare-student: $(STAMP)
 	$(PY) -m capslib.tools.grading check-student --normal _build/html --student _build/student/_build/html \
-	  book/*.ipynb book/*.md
+	  book/*.ipynb book/*.md --masters book/assignments/*.ipynb
 
 # The lock: requirements.txt resolved by pip in a clean venv and frozen (exact versions of
 # everything installed). torchvision is left out: every registry build of it is a CUDA build

@@ -614,12 +614,32 @@ _PLUGIN = "capslib.tools.grading.NoDelegation"
 
 # ----------------------------------------------------------------------------- the student edition
 
-def student_config(source: str | Path = "_config.yml", dest: str | Path = "_build/student/_config.yml") -> Path:
-    """The book's Jupyter Book config with sphinx-exercise's ``hide_solutions`` switched on."""
+def student_config(source: str | Path = "_config.yml", dest: str | Path = "_build/student/_config.yml",
+                   masters: Iterable[str | Path] | None = None) -> Path:
+    """The book's Jupyter Book config for the student edition.
+
+    sphinx-exercise's ``hide_solutions`` switched on; the chapters' functions that answer an assignment
+    left out (:mod:`capslib.tools.student_edition`, driven by the masters' ``book_answers``; default:
+    ``book/assignments/*.ipynb`` beside ``source``); no copy of the sources in the HTML (``_sources``
+    would hold the notebooks whole, solutions and answers included) and so no download button.
+    """
     import yaml
 
-    cfg = yaml.safe_load(Path(source).read_text())
-    cfg.setdefault("sphinx", {}).setdefault("config", {})["hide_solutions"] = True
+    from capslib.tools.student_edition import CONFIG_KEY, book_answers
+
+    source = Path(source)
+    if masters is None:
+        masters = sorted((source.parent / "book" / "assignments").glob("*.ipynb"))
+    cfg = yaml.safe_load(source.read_text())
+    sphinx = cfg.setdefault("sphinx", {})
+    config = sphinx.setdefault("config", {})
+    config["hide_solutions"] = True
+    config[CONFIG_KEY] = book_answers(masters)
+    config["html_copy_source"] = False
+    config.setdefault("html_theme_options", {})["use_download_button"] = False
+    extensions = sphinx.setdefault("extra_extensions", [])
+    if "capslib.tools.student_edition" not in extensions:
+        extensions.append("capslib.tools.student_edition")
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -674,22 +694,35 @@ def _words(text: str) -> str:
     return " " + " ".join(re.findall(r"[A-Za-z0-9]+", text)) + " "
 
 
-def check_student_edition(normal: str | Path, student: str | Path, sources: Iterable[str | Path]) -> int:
-    """Fail unless every solution's text is in the normal build and none is in the student build."""
+def check_student_edition(normal: str | Path, student: str | Path, sources: Iterable[str | Path],
+                          masters: Iterable[str | Path] = ()) -> int:
+    """Fail unless every solution's text, and every chapter function a master lists in ``book_answers``,
+    is in the normal build and none is in the student build. Returns how many were checked."""
+    from capslib.tools.student_edition import answer_sources, book_answers, leaked_answers
+
+    sources = [Path(s) for s in sources]
     fragments = solution_fragments(sources)
     if not fragments:
         raise ValueError("no {solution} blocks found in the sources")
+    copies = sorted(str(p.relative_to(student)) for p in Path(student).rglob("_sources/**/*")
+                    if p.suffix in (".ipynb", ".md", ".txt"))
+    if copies:   # Sphinx's copies of the sources (the download button's files) hold everything
+        raise AssertionError(f"the student edition {student} holds copies of the book's sources: {copies[:5]}")
     normal_text, student_text = _html_text(Path(normal)), _html_text(Path(student))
     # a stretch may also occur outside its solution: what counts is that the student edition
     # holds fewer copies than the book, i.e. the solution's own copy is gone
     missing = [k for k, f in fragments.items() if f not in normal_text]
     leaked = [k for k, f in fragments.items() if student_text.count(f) >= normal_text.count(f)]
-    if missing:
-        raise AssertionError(f"solution text not found in the normal build {normal} (the check would be "
-                             f"vacuous): {missing}")
-    if leaked:
-        raise AssertionError(f"solution text found in the student edition {student}: {leaked}")
-    return len(fragments)
+    answers = book_answers(masters)
+    code = answer_sources({p.stem: p for p in sources if p.suffix == ".ipynb"}, answers)
+    code_missing, code_leaked = leaked_answers(normal_text, student_text, code)
+    if missing or code_missing:
+        raise AssertionError(f"solution text or answering code not found in the normal build {normal} (the check "
+                             f"would be vacuous): {missing + code_missing}")
+    if leaked or code_leaked:
+        raise AssertionError(f"solution text or a chapter's answer to an assignment found in the student edition "
+                             f"{student}: {leaked + code_leaked}")
+    return len(fragments) + len(code)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -704,17 +737,22 @@ def _main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("student-config", help="write the student edition's Jupyter Book config")
     c.add_argument("--source", default="_config.yml")
     c.add_argument("--dest", default="_build/student/_config.yml")
+    c.add_argument("--masters", nargs="*", help="otter masters whose book_answers to leave out "
+                   "(default: book/assignments/*.ipynb beside --source)")
     k = sub.add_parser("check-student", help="no solution text in the student edition, all of it in the book")
     k.add_argument("--normal", required=True)
     k.add_argument("--student", required=True)
+    k.add_argument("--masters", nargs="*", default=(), help="otter masters whose book_answers must be "
+                   "in the book and not in the student edition")
     k.add_argument("sources", nargs="+")
     args = parser.parse_args(argv)
     if args.command == "student-config":
-        print(student_config(args.source, args.dest))
+        print(student_config(args.source, args.dest, args.masters))
         return 0
     if args.command == "check-student":
-        n = check_student_edition(args.normal, args.student, args.sources)
-        print(f"student edition: none of the {n} solutions appears in {args.student}; all appear in {args.normal}")
+        n = check_student_edition(args.normal, args.student, args.sources, args.masters)
+        print(f"student edition: none of the {n} solutions and chapter answers to assignments appears in "
+              f"{args.student}; all appear in {args.normal}")
         return 0
     for m in args.masters:
         dest = Path(args.out) / Path(m).stem

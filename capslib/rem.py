@@ -17,9 +17,9 @@ Contents:
 * the network without decoder (App. C.2): :func:`margin_loss_fn`, :func:`predict_lengths`;
 * measurements: :func:`last_couplings`, :func:`level_sweep`, :func:`saliency_maps` (Eq. 16);
 * the multi-layer fully connected DR-CapsNet :class:`FCCapsNet` and the size of its backtracked
-  parse trees, :func:`tree_size`.
+  parse trees, :func:`tree_size` (edges above :func:`tree_threshold`).
 
-The pruning REM trains with (masks, LOBSTER, iterative magnitude pruning, SNIP) is
+The pruning REM trains with (masks, LOBSTER, magnitude pruning to a schedule, SNIP) is
 :mod:`capslib.pruning`.
 """
 from __future__ import annotations
@@ -368,17 +368,35 @@ class FCCapsNet(nn.Module):
         return FCOutput(u.norm(dim=-1), capsules, couplings)
 
 
-def tree_size(out: FCOutput, threshold: str | float = "uniform") -> torch.Tensor:
+def tree_threshold(parents: int, threshold: str | float = "uniform", levels: int | None = None) -> float:
+    """The coupling an edge into a layer of ``parents`` capsules must exceed to join a parse tree.
+
+    ``"uniform"`` is ``1/parents``, the coupling of an undecided capsule (the paper's threshold,
+    its App. C.4); with ``levels`` (couplings quantized into ``K`` levels, Eq. 13) it is that value
+    quantized, ``q_K(1/parents)``: a quantized coupling is compared with the level an undecided one
+    lands on. Without it, ``q_11(1/16) = 0.1 > 1/16`` and every undecided coupling would join.
+    A number is used as given."""
+    check_positive_int("parents", parents)
+    if threshold != "uniform":
+        return float(threshold)
+    if levels is None:
+        return 1.0 / parents
+    check_positive_int("levels", levels, minimum=2)
+    return round((levels - 1) / parents) / (levels - 1)
+
+
+def tree_size(out: FCOutput, threshold: str | float = "uniform", levels: int | None = None) -> torch.Tensor:
     """Number of capsules in each sample's parse tree (the class capsule included), ``(B,)``, by
     backtracking (Sec. 3.2.2): start from the predicted class capsule and keep a capsule ``i`` of
-    layer ``l`` when its coupling to a kept capsule of layer ``l+1`` exceeds ``threshold``
-    (``"uniform"``: ``1/|Omega^[l+1]|``, the coupling of an undecided capsule). Chapter 6 draws
-    single trees by the same rule (``capslib.book.ch06.parse_tree_graph``)."""
+    layer ``l`` when its coupling to a kept capsule of layer ``l+1`` exceeds :func:`tree_threshold`
+    (``"uniform"``: ``1/|Omega^[l+1]|``, the coupling of an undecided capsule, quantized into
+    ``levels`` levels when the couplings are). Chapter 6 draws single trees by the same rule
+    (``capslib.book.ch06.parse_tree_graph``)."""
     lengths = out.lengths
     frontier = F.one_hot(lengths.argmax(dim=1), lengths.shape[1]).bool()      # (B, J)
     size = torch.ones(lengths.shape[0], dtype=torch.long, device=lengths.device)
     for c in reversed(out.couplings):                                          # (B, N_l, N_{l+1})
-        thr = 1.0 / c.shape[2] if threshold == "uniform" else float(threshold)
+        thr = tree_threshold(c.shape[2], threshold, levels)
         frontier = ((c > thr) & frontier.unsqueeze(1)).any(dim=2)              # (B, N_l)
         size += frontier.sum(dim=1)
     return size

@@ -268,7 +268,7 @@ def test_compare_methods_trains_four_networks_with_keyed_checkpoints_and_resumes
     h = run["history"]
     assert len(h["vanilla (+Q)"]["loss"]) == 2 and len(h["REM (LOBSTER)"]["loss"]) == 1 and len(h["SNIP"]["loss"]) == 2
     assert len(h["vanilla (+Q)"]["levels"]) == 2          # the tracker saw the shared start and the rest
-    assert h["IMP"]["sparsity"][-1] == pytest.approx(0.5, abs=0.01)
+    assert h["MP"]["sparsity"][-1] == pytest.approx(0.5, abs=0.01)
     assert pruning.sparsity(run["params"]["SNIP"]) == pytest.approx(pruning.sparsity(run["params"]["REM (LOBSTER)"]), abs=0.01)
     names = sorted(p.name for p in tmp_path.rglob("*.pt"))
     assert names == sorted(f"06_rem_{n}_s3.pt" for n in ("start", "vanilla", "rem", "imp", "snip"))
@@ -361,3 +361,41 @@ def test_miller_madow_adds_the_bias_correction_and_ceiling():
     torch.testing.assert_close(rem.entropy_ceiling(pred, 3),
                                torch.tensor([math.log2(3), 1.0, 0.0], dtype=torch.float64))
     assert (plug <= rem.entropy_ceiling(pred, 3) + 1e-12).all()
+
+
+def test_tree_threshold_compares_quantized_couplings_with_the_quantized_uniform_level():
+    # raw couplings: the paper's 1/|Omega|; quantized into K = 11 levels: the level 1/16 rounds to (0.1)
+    assert rem.tree_threshold(16) == pytest.approx(1 / 16)
+    assert rem.tree_threshold(16, levels=11) == pytest.approx(0.1)
+    assert rem.tree_threshold(10, levels=11) == pytest.approx(0.1)
+    assert rem.tree_threshold(4, levels=11) == pytest.approx(0.2)     # round(2.5) = 2 (ties to even)
+    assert rem.tree_threshold(16, 0.3, levels=11) == 0.3
+    with pytest.raises(ValueError, match="levels"):
+        rem.tree_threshold(16, levels=1)
+    # an undecided capsule quantized to 0.1 joins a tree by the raw threshold 1/16 but not by the quantized one
+    c = torch.tensor([[[0.1] * 16]])                                   # (B=1, N_l=1, N_{l+1}=16), all at 0.1
+    lengths = torch.zeros(1, 16)
+    lengths[0, 3] = 1.0
+    out = rem.FCOutput(lengths, [torch.zeros(1, 1, 2), torch.zeros(1, 16, 2)], [c])
+    assert int(rem.tree_size(out)[0]) == 2
+    assert int(rem.tree_size(out, levels=11)[0]) == 1
+    G = ch06.parse_tree_graph(out, 0, levels=11)
+    assert sum(d["in_tree"] for _, d in G.nodes(data=True)) == 1
+
+
+def test_entropy_at_matched_accuracy_reads_each_path_where_both_are_equally_accurate():
+    vanilla = [(0.80, 0.0), (0.90, 0.1), (0.94, 1.5), (0.95, 2.9)]     # (accuracy, entropy) after each epoch
+    pruned = [(0.80, 0.0), (0.90, 0.1), (0.92, 0.7), (0.94, 1.3)]
+    assert ch06.entropy_at_accuracy(vanilla, 0.92) == pytest.approx(0.1 + 0.5 * 1.4)
+    assert ch06.entropy_at_accuracy(vanilla, 0.95) == pytest.approx(2.9)
+    assert ch06.entropy_at_accuracy(vanilla, 0.99) is None and ch06.entropy_at_accuracy(vanilla, 0.5) is None
+    # a path that dips: the latest bracketing epochs count
+    assert ch06.entropy_at_accuracy([(0.9, 1.0), (0.8, 0.0), (0.95, 3.0)], 0.85) == pytest.approx(1.0)
+    m = ch06.matched_accuracy(vanilla, pruned)
+    assert m["accuracy"] == 0.94 and m["reference"] == pytest.approx(1.5) and m["other"] == pytest.approx(1.3)
+    assert m["difference"] == pytest.approx(-0.2)
+    # the same epoch would say -1.6: the pruned network is simply less trained
+    assert pruned[-1][1] - vanilla[-1][1] == pytest.approx(-1.6)
+    assert ch06.matched_accuracy([(0.9, 1.0)], [(0.95, 2.0), (0.97, 2.5)])["difference"] is None
+    with pytest.raises(ValueError, match="non-empty"):
+        ch06.matched_accuracy([], vanilla)

@@ -99,7 +99,7 @@ def test_chapter6_smoke_result_and_views(smoke_root, monkeypatch):
         assert 0 <= at["11"]["entropy"] <= at["11"]["ceiling"] + 1e-9 and sum(at["11"]["keys"]) >= 1
         assert 0 <= m[name]["zero_blocks"] <= 1 and res["history"][name]["entropy"]
     # the controls carry REM's sparsity; SNIP its final one
-    for name in ("IMP", ch06.WEIGHT_DECAY, "SNIP"):
+    for name in ("MP", ch06.WEIGHT_DECAY, "SNIP"):
         assert m[name]["sparsity"] == pytest.approx(path[-1], abs=0.01), name
     assert m["REM (LOBSTER)"]["gate_active_mean"]["applied"] > m["REM (LOBSTER)"]["gate_active_mean"]["raw"]
     groups = ch06.unit_groups(smoke=True)

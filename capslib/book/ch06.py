@@ -19,7 +19,7 @@ from . import profiles
 from .units import built_in_float64, cuda_speed_settings, seed_spread, step_summary
 from ..pruning import (LobsterPruner, MagnitudeSchedulePruner, MatchedPruner, prunable, set_mask, snip_masks,
                        sparsity)
-from ..rem import FCOutput, level_sweep, margin_loss_fn, predict_lengths
+from ..rem import FCOutput, level_sweep, margin_loss_fn, predict_lengths, tree_threshold
 
 profiles.register(
     "06_rem",
@@ -59,7 +59,7 @@ profiles.register(
 
 # ----------------------------------------------------------------------------- the experiment
 
-METHODS = ("vanilla (+Q)", "REM (LOBSTER)", "IMP", "SNIP")
+METHODS = ("vanilla (+Q)", "REM (LOBSTER)", "MP", "SNIP")
 #: the ablation run of chapter 6 (trained when the settings have ``ablation=True``): LOBSTER's
 #: shrinkage with the gate removed (plain weight decay), pruned by magnitude to REM's sparsities
 WEIGHT_DECAY = "weight decay"
@@ -84,10 +84,10 @@ def encoder_parameters(net: nn.Module, nonzero: bool = False) -> int:
 
 def compare_methods(seed: int, S, train_split, val, test, *, track: bool = False, device=None,
                     progress: bool = True, report_val: bool = False, prefix: str = "06_rem") -> dict:
-    """Chapter 6's experiment for one seed: vanilla, REM (LOBSTER), IMP and SNIP DR-CapsNets.
+    """Chapter 6's experiment for one seed: vanilla, REM (LOBSTER), MP (magnitude pruning alone) and SNIP DR-CapsNets.
 
     The vanilla network trains ``S.epochs`` epochs; its first ``S.pretrain_epochs`` are a shared
-    start from which REM and IMP branch and train the remaining epochs (every network sees
+    start from which REM and MP branch and train the remaining epochs (every network sees
     ``S.epochs`` epochs); SNIP prunes the initial weights to the sparsity REM ended with and
     trains ``S.epochs`` epochs from there. Every run is train-or-load through keyed checkpoints
     named ``{prefix}_<run>_s{seed}``; the seed fixes the initial weights and the minibatch order.
@@ -152,7 +152,7 @@ def compare_methods(seed: int, S, train_split, val, test, *, track: bool = False
         branch(METHODS[2], "imp", lambda w: MagnitudeSchedulePruner(w, S.imp_final_sparsity, rest))
     if getattr(S, "ablation", False):      # LOBSTER's shrinkage without its gate, same sparsities
         branch(WEIGHT_DECAY, "wd", lambda w: MatchedPruner(w, rem_path, lam=S.lobster_lambda, decay=S.lobster_decay,
-                                                           sensitivity="none"), tracked=False)
+                                                           sensitivity="none"))
 
     t0 = time.perf_counter()
     snip_net = make_capsnet(S, seed, device)
@@ -196,14 +196,37 @@ def chain(*callbacks: Callable | None) -> Callable:
     return run
 
 
+def entropy_at_accuracy(path: Sequence[tuple[float, float]], accuracy: float) -> float | None:
+    """The entropy a training path ``[(accuracy, entropy) after each epoch]`` has at ``accuracy``: linear
+    between the latest two consecutive epochs whose accuracies bracket it; None where no pair does."""
+    for e in range(len(path) - 1, 0, -1):
+        (a0, h0), (a1, h1) = path[e - 1], path[e]
+        if min(a0, a1) <= accuracy <= max(a0, a1):
+            return h1 if a1 == a0 else h0 + (accuracy - a0) / (a1 - a0) * (h1 - h0)
+    return path[-1][1] if path and path[-1][0] == accuracy else None
+
+
+def matched_accuracy(reference: Sequence[tuple[float, float]], other: Sequence[tuple[float, float]]) -> dict:
+    """Two networks' entropies where they are equally accurate: at the lower of their final accuracies,
+    each read off its own training path (:func:`entropy_at_accuracy`). ``{"accuracy", "reference",
+    "other", "difference"}`` (other - reference; None where a path does not reach that accuracy)."""
+    if not reference or not other:
+        raise ValueError("matched_accuracy needs two non-empty paths of (accuracy, entropy) per epoch")
+    a = min(reference[-1][0], other[-1][0])
+    h_ref, h_other = entropy_at_accuracy(reference, a), entropy_at_accuracy(other, a)
+    diff = None if h_ref is None or h_other is None else h_other - h_ref
+    return {"accuracy": a, "reference": h_ref, "other": h_other, "difference": diff}
+
+
 # ----------------------------------------------------------------------------- parse-tree graphs of the FC CapsNet
 
-def parse_tree_graph(out: FCOutput, sample: int = 0, threshold: str | float = "uniform"):
+def parse_tree_graph(out: FCOutput, sample: int = 0, threshold: str | float = "uniform", levels: int | None = None):
     """The parse tree of one sample by backtracking (Sec. 3.2.2; chapter 6) as a networkx DiGraph.
 
     Start from the predicted class capsule; keep an edge ``i -> j`` from layer ``l`` to an
-    already kept capsule ``j`` of layer ``l+1`` when its coupling exceeds ``threshold``
-    (``"uniform"``: ``1/|Omega^[l+1]|``, the value of an undecided capsule); continue
+    already kept capsule ``j`` of layer ``l+1`` when its coupling exceeds ``capslib.rem.tree_threshold``
+    (``"uniform"``: ``1/|Omega^[l+1]|``, the value of an undecided capsule, quantized into ``levels``
+    levels when the couplings are); continue
     from the kept children. Every capsule is a node (``layer``, ``index``, ``activation`` =
     its length, ``in_tree``); kept edges carry ``weight`` = the coupling.
     """
@@ -220,7 +243,7 @@ def parse_tree_graph(out: FCOutput, sample: int = 0, threshold: str | float = "u
     frontier = {pred}
     for l in range(L - 1, -1, -1):
         c = out.couplings[l][sample].detach().cpu()                        # (N_l, N_{l+1})
-        thr = 1.0 / c.shape[1] if threshold == "uniform" else float(threshold)
+        thr = tree_threshold(c.shape[1], threshold, levels)
         children = set()
         for j in sorted(frontier):
             for i in torch.nonzero(c[:, j] > thr).flatten().tolist():
@@ -284,7 +307,7 @@ def draw_parse_tree(G, ax=None, title: str | None = None, cmap: str = "viridis")
 #   class and the share of couplings at the level 1/J, for every K of the sweep; accuracy and
 #   entropy at K = 11 after every epoch.
 # - ``06/pruned/s<k>``: four networks from the same seed, one after the other: REM (LOBSTER during
-#   training, the gate normalised per tensor), then magnitude pruning alone ("IMP") and weight decay
+#   training, the gate normalised per tensor), then magnitude pruning alone ("MP") and weight decay
 #   (LOBSTER's shrinkage without its gate), each pruned by magnitude to the sparsity REM reached after
 #   the same epoch, then SNIP at REM's final sparsity. One unit, because the controls are matched to
 #   REM's sparsities: it needs no result of another unit. The same measurements per network, plus
@@ -295,7 +318,7 @@ def draw_parse_tree(G, ax=None, title: str | None = None, cmap: str = "viridis")
 # early with a patience of 200 epochs: four networks of that length fit one unit.
 
 UNIT_SEEDS = tuple(range(5))          # the paper's five runs
-UNIT_METHODS = ("REM (LOBSTER)", "IMP", WEIGHT_DECAY, "SNIP")
+UNIT_METHODS = ("REM (LOBSTER)", "MP", WEIGHT_DECAY, "SNIP")
 UNIT_LEVELS = (2, 3, 5, 7, 9, 11, 16, 21, 31, 65, 129)
 UNIT_SCHEDULE = dict(version=1, dataset="mnist", split_seed=0, validation=5000, train_images=55_000, epochs=15,
                      batch_size=128, lr=1e-3, lr_decay=0.99, levels=11, levels_sweep=list(UNIT_LEVELS),
@@ -441,7 +464,7 @@ def unit_run(unit, device: torch.device, smoke: bool) -> dict:
         path = list(rem_h["sparsity"])
         # magnitude alone (its before_step does nothing without a shrinkage; the eager step keeps the
         # computation the chapter's), then the shrinkage without the gate, both to REM's sparsities
-        train_one("IMP", lambda w: MatchedPruner(w, path, lam=0.0))
+        train_one("MP", lambda w: MatchedPruner(w, path, lam=0.0))
         train_one(WEIGHT_DECAY, lambda w: MatchedPruner(w, path, lam=cfg["lobster_lambda"], decay=cfg["lobster_decay"],
                                                          sensitivity="none"))
         n_snip = UNIT_SMOKE["snip_batch"] if smoke else cfg["snip_batch"]
@@ -467,7 +490,7 @@ def _register_units() -> None:
         # and each network's tracking (forward passes counted as whole training images: a long projection)
         register(Unit("06", "pruned", s, unit_run, {**base, "kind": "pruned"}, unit_probe, "capsnet28-nodecoder",
                       4 * (E * n + track) + E * base["search_steps"] * val, 11 + 10 * s,
-                      "REM, then IMP and weight decay at REM's sparsities, then SNIP at its final one: entropy, "
+                      "REM, then MP and weight decay at REM's sparsities, then SNIP at its final one: entropy, "
                       "accuracy, sparsity, zero W_ij blocks, silenced capsules"))
 
 
@@ -477,7 +500,7 @@ _register_units()
 # ----------------------------------------------------------------------------- the chapter's paper-scale views
 
 UNIT_ROWS = (("vanilla (+Q)", "06/vanilla", "vanilla"), ("REM (LOBSTER)", "06/pruned", "REM (LOBSTER)"),
-             (WEIGHT_DECAY, "06/pruned", WEIGHT_DECAY), ("IMP", "06/pruned", "IMP"), ("SNIP", "06/pruned", "SNIP"))
+             (WEIGHT_DECAY, "06/pruned", WEIGHT_DECAY), ("MP", "06/pruned", "MP"), ("SNIP", "06/pruned", "SNIP"))
 
 
 def unit_groups(smoke: bool = False):

@@ -120,8 +120,11 @@ def glue_many(prefix: str, values: dict) -> None:
         glue(f"{prefix}_{k}", v)
 
 
-def paper_vs_book(rows: list[tuple]):
+def paper_vs_book(rows: list[tuple], paper_pm: str | None = None, book_pm: str | None = None):
     """A table of ``(quantity, paper, this book's value[, note])`` rows as a DataFrame.
+
+    ``paper_pm`` / ``book_pm`` say what each column's ± is ("SD over 5 runs", "95 % interval over 3
+    seeds"); given, they go into the column's heading, since the two are rarely the same thing.
 
     ``paper`` is a key of ``book/paper_results.yml`` (shown as the paper prints it, with its source),
     ``None`` (not reported), or words without digits ("polarized", "by eye"): numbers from papers
@@ -146,4 +149,8 @@ def paper_vs_book(rows: list[tuple]):
                              f"book/paper_results.yml nor words without numbers; add the paper's number "
                              f"to that table with its source and pass its key")
         out.append((quantity, shown, book, note[0] if note else ""))
-    return pd.DataFrame(out, columns=["quantity", "paper", "this book", "note"]).set_index("quantity")
+    for what, label in (("paper_pm", paper_pm), ("book_pm", book_pm)):
+        if label is not None and (not isinstance(label, str) or not label.strip()):
+            raise ValueError(f"paper_vs_book: {what} says what the ± is, in words; got {label!r}")
+    columns = [f"paper (± {paper_pm})" if paper_pm else "paper", f"this book (± {book_pm})" if book_pm else "this book"]
+    return pd.DataFrame(out, columns=["quantity", *columns, "note"]).set_index("quantity")

@@ -164,9 +164,11 @@ units: $(STAMP)
 	@$(PY) -m capslib.tools.experiments status
 
 # per master: _build/assignments/<name>/student/ (hand out) and autograder/<name>-autograder.zip
-# (otter run or Gradescope; capslib travels inside it)
+# (otter run or Gradescope; capslib travels inside it). GRADING_SECRET=... seeds the hidden tests'
+# inputs (kept out of the command line's echo); unset, each zip gets a fresh random secret
 assignments: $(STAMP)
-	$(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments
+	@echo "$(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments"
+	@GRADING_SECRET='$(GRADING_SECRET)' $(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments
 
 # the HTML book without exercise solutions (sphinx-exercise's hide_solutions) and without the chapters'
 # functions that answer an assignment (the masters' book_answers), in _build/student/_build/html; the

@@ -247,6 +247,226 @@ def test_every_delegation_route_earns_nothing(built, solved_env):
                 f"without the guard, {route} delegation of {fn} should earn points: {unguarded}"
 
 
+# ----------------------------------------------------------------------------- secret inputs, strict errors
+
+def _case_results(tests_dir: Path, env: dict) -> dict[str, bool]:
+    """Test function name -> passed, over every test file of the assignment."""
+    out = {}
+    for path in sorted(tests_dir.glob("q*.py")):
+        tf = otter_test_files.ExceptionTestFile.from_file(str(path.resolve()))
+        tf.run(env)
+        out.update({r.test_case.body.test_func.__name__: r.passed for r in tf.test_case_results})
+    return out
+
+
+def _hidden_tests(tests_dir: Path) -> dict[str, str]:
+    """Hidden test function name -> its source."""
+    import ast
+    out = {}
+    for path in tests_dir.glob("q*.py"):
+        src = path.read_text()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(d, ast.Call) and any(k.arg == "hidden" and getattr(k.value, "value", None) is True
+                                                    for k in d.keywords) for d in node.decorator_list):
+                out[node.name] = ast.get_source_segment(src, node)
+    return out
+
+
+def _graded_functions(env: dict) -> list[str]:
+    """The functions the student writes (the masters name them ``my_...``)."""
+    return [k for k, v in env.items() if k.startswith("my_") and callable(v)]
+
+
+def _tests_calling(tests_dir: Path, text: str) -> set[str]:
+    """The test functions whose source contains ``text``."""
+    import ast
+    out = set()
+    for path in tests_dir.glob("q*.py"):
+        src = path.read_text()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") \
+                    and text in ast.get_source_segment(src, node):
+                out.add(node.name)
+    return out
+
+
+def test_zip_holds_a_fresh_secret_and_the_student_folder_does_not(built):
+    import re
+    import zipfile
+    master, out, zip_path = built
+    cfg = json.loads(zipfile.ZipFile(zip_path).read("otter_config.json"))
+    entry = next(p[grading._PLUGIN] for p in cfg["plugins"] if isinstance(p, dict) and grading._PLUGIN in p)
+    secret = entry["secret"]
+    assert re.fullmatch(r"[0-9a-f]{32}", secret), secret       # build() without a secret draws one
+    assert "book_answers" not in entry
+    for f in (out / "student").rglob("*"):
+        if f.is_file():
+            assert secret not in f.read_text(errors="replace"), f
+    # every hidden test that draws random inputs draws them from the secret, never from a fixed seed
+    # (the public tests' inputs are known to the student anyway)
+    hidden = _hidden_tests(out / "autograder" / "tests")
+    assert hidden
+    for test, src in hidden.items():
+        assert "manual_seed" not in src and "torch.Generator(" not in src, test
+        if any(f"torch.{r}(" in src for r in ("rand", "randn", "randint")):
+            assert "hidden_generator()" in src, test
+
+
+def test_grading_secret_reaches_the_zip(tmp_path, monkeypatch):
+    import zipfile
+    master = next(m for m in MASTERS if m.stem == OTTER_GRADED)
+    monkeypatch.setenv("GRADING_SECRET", "the instructor's secret")
+    assert grading._main(["build", str(master), "--out", str(tmp_path)]) == 0
+    text = zipfile.ZipFile(grading.autograder_zip(tmp_path / master.stem)).read("otter_config.json").decode()
+    assert "the instructor's secret" in text
+    assert "the instructor's secret" not in (tmp_path / master.stem / "student" / master.name).read_text()
+
+
+def _call_key(fn: str, args: tuple, kwargs: dict) -> tuple:
+    import torch
+
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", str(v.dtype), tuple(v.shape), v.detach().cpu().contiguous().numpy().tobytes())
+        if isinstance(v, torch.nn.Module):
+            return ("module", tuple(one(t) for t in v.state_dict().values()))
+        return ("value", repr(v))
+    return (fn, tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted(kwargs.items())))
+
+
+@pytest.mark.parametrize("name", ["a3_soft_routing_gradients", "a6_parse_tree_entropy",
+                                  "a7_products_of_expert_capsules"])
+def test_a_recorded_table_does_not_replay(name, tmp_path_factory):
+    """Issue 35: hidden inputs came from fixed seeds or the notebook's seeded generator, so a table of
+    inputs and outputs recorded in one grading replayed in the next. The table is recorded from the
+    master under one secret; under the same secret it replays to full marks (the hole, as it was), under
+    another every hidden test that draws its inputs from the secret fails."""
+    master = next(m for m in MASTERS if m.stem == name)
+    out = tmp_path_factory.mktemp(f"replay_{name}")
+    grading.build(master, out)
+    cfg = _config(out)
+    tests_dir = out / "autograder" / "tests"
+    solved: dict = {"__name__": "__submission__"}
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+        _exec_cells(_code_cells(out / "autograder" / master.name), solved, "solution")
+    fns = _graded_functions(solved)
+    table: dict = {}
+
+    def recorder(fn, f):
+        def record(*args, **kwargs):
+            try:
+                result = ("return", f(*args, **kwargs))
+            except ValueError as err:
+                result = ("raise", err)
+            table[_call_key(fn, args, kwargs)] = result
+            if result[0] == "raise":
+                raise result[1]
+            return result[1]
+        return record
+
+    def replayer(fn):
+        def replay(*args, **kwargs):
+            how, value = table[_call_key(fn, args, kwargs)]   # an input never seen: KeyError
+            if how == "raise":
+                raise value
+            return value
+        return replay
+
+    recording = dict(solved, **{fn: recorder(fn, solved[fn]) for fn in fns})
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir), secret="term 1"):
+        assert all(_case_results(tests_dir, recording).values())
+    replaying = dict(solved, **{fn: replayer(fn) for fn in fns})
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir), secret="term 1"):
+        same = _case_results(tests_dir, replaying)
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir), secret="term 2"):
+        other = _case_results(tests_dir, replaying)
+    assert all(same.values()), same
+    drawn = _tests_calling(tests_dir, "hidden_generator(")
+    assert drawn, "no hidden test draws from the secret"
+    failed = {t for t, ok in other.items() if not ok}
+    # an error test draws its (valid) inputs from the secret too, but the replayed table raised for them:
+    # only the tests that compare values are what a table would have to answer
+    assert drawn - failed <= _tests_calling(tests_dir, "assert_error_names(") | _tests_calling(tests_dir, "must raise"), \
+        sorted(drawn - failed)
+    assert failed <= drawn, sorted(failed - drawn)   # the public tests' known inputs still replay
+
+
+@pytest.mark.parametrize("name", ["a3_soft_routing_gradients", "a4_coupling_gradient", "a5_em_routing",
+                                  "a7_products_of_expert_capsules"])
+def test_an_error_naming_every_argument_fails_the_error_tests(name, tmp_path_factory):
+    """Issue 35: the error tests only looked for the bad argument's name in the message, so a
+    ``ValueError`` that named every argument passed. Each graded function of the master is wrapped to
+    re-raise its ``ValueError`` naming all its arguments: every error test fails, every other test passes."""
+    import inspect
+    master = next(m for m in MASTERS if m.stem == name)
+    out = tmp_path_factory.mktemp(f"errors_{name}")
+    grading.build(master, out)
+    cfg = _config(out)
+    tests_dir = out / "autograder" / "tests"
+    env: dict = {"__name__": "__submission__"}
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+        _exec_cells(_code_cells(out / "autograder" / master.name), env, "solution")
+
+    def vague(f):
+        names = ", ".join(inspect.signature(f).parameters)
+
+        def g(*args, **kwargs):
+            try:
+                return f(*args, **kwargs)
+            except ValueError:
+                raise ValueError(f"one of {names} is wrong") from None
+        return g
+
+    for fn in _graded_functions(env):
+        env[fn] = vague(env[fn])
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+        results = _case_results(tests_dir, env)
+    strict = _tests_calling(tests_dir, "assert_error_names(")
+    assert strict, f"{name} has no strict error test"
+    assert {t for t, ok in results.items() if not ok} == strict, results
+
+
+def test_assert_error_names_is_strict():
+    def f(u_hat, grad_v, iterations=3):
+        if iterations < 1:
+            raise ValueError(f"iterations must be >= 1; got {iterations}")
+        if u_hat is None:
+            raise ValueError("u_hat or grad_v is wrong")
+        if grad_v is None:
+            raise ValueError("grad_vs are bad")
+        return 0
+    params = ("u_hat", "grad_v", "iterations")
+    grading.assert_error_names(f, "iterations", params, 1, 2, iterations=0)
+    with pytest.raises(AssertionError, match="no other argument; it also names \\['grad_v'\\]"):
+        grading.assert_error_names(f, "u_hat", params, None, 2)
+    with pytest.raises(AssertionError, match="should name 'grad_v'"):   # 'grad_vs' is not 'grad_v'
+        grading.assert_error_names(f, "grad_v", params, 1, None)
+    with pytest.raises(AssertionError, match="no ValueError for a bad u_hat"):
+        grading.assert_error_names(f, "u_hat", params, 1, 2)
+    with pytest.raises(ValueError, match="one of the arguments"):
+        grading.assert_error_names(f, "x", params, 1, 2)
+
+
+def test_hidden_generator_is_for_test_files_and_follows_the_secret():
+    import torch
+    with pytest.raises(grading.DelegationError):
+        exec(compile("capslib_grading.hidden_generator('t')", "<submission cell>", "exec"),
+             {"capslib_grading": grading})
+    with grading.guarded(["capslib.rem.quantize"], secret="a"):
+        a1, a2 = grading.hidden_generator("t"), grading.hidden_generator("t")
+        other_label = grading.hidden_generator("u")
+    with grading.guarded(["capslib.rem.quantize"], secret="b"):
+        b = grading.hidden_generator("t")
+    draw = lambda g: torch.rand(4, generator=g)
+    x = draw(a1)
+    assert torch.equal(x, draw(a2))
+    assert not torch.equal(x, draw(b)) and not torch.equal(x, draw(other_label))
+    torch.manual_seed(0)   # the notebook's seed does not reach it
+    with grading.guarded(["capslib.rem.quantize"], secret="a"):
+        assert torch.equal(draw(grading.hidden_generator("t")), x)
+
+
 # ----------------------------------------------------------------------------- through otter
 
 def _notebook_with(notebook: Path, replacements: dict[str, str], dest: Path) -> Path:

@@ -81,6 +81,7 @@ import contextlib
 import importlib
 import inspect
 import os
+import secrets
 import sys
 import sysconfig
 import threading
@@ -198,6 +199,7 @@ class _Guard:
     modules: set[str] = field(default_factory=set)
     test_files: frozenset[str] = frozenset()
     finder: Any = None
+    secret: str | None = None
 
 
 _GUARD: _Guard | None = None
@@ -254,7 +256,7 @@ def _test_files(tests_dir: str | None) -> frozenset[str]:
     return frozenset(str(p.resolve()) for p in folder.glob("*.py"))
 
 
-def install(names: Iterable[str], tests_dir: str | None = None) -> None:
+def install(names: Iterable[str], tests_dir: str | None = None, secret: str | None = None) -> None:
     """Stub every capslib callable in ``names`` (see the module docstring) until the guard is lifted.
 
     There is no public way to lift it: :func:`guarded` lifts its own guard when its block ends
@@ -264,6 +266,8 @@ def install(names: Iterable[str], tests_dir: str | None = None) -> None:
         names: dotted names of capslib functions, classes, methods or modules.
         tests_dir: the folder of the test files being graded; only their frames may call
             :func:`reference` while the guard is installed (None: any ``tests/*.py``).
+        secret: the grading secret that seeds :func:`hidden_generator` (the autograder zip's, set
+            when it was built); None: a fresh secret of this process.
     """
     global _GUARD
     names = tuple(names)
@@ -271,7 +275,9 @@ def install(names: Iterable[str], tests_dir: str | None = None) -> None:
         raise ValueError(f"names must be a non-empty list of dotted capslib names; got {names!r}")
     if _GUARD is not None:
         raise RuntimeError("capslib.tools.grading: a guard is already installed")
-    guard = _Guard(names=names, tests_dir=tests_dir, test_files=_test_files(tests_dir))
+    if secret is not None and (not isinstance(secret, str) or not secret):
+        raise ValueError(f"secret must be a non-empty string; got {secret!r}")
+    guard = _Guard(names=names, tests_dir=tests_dir, test_files=_test_files(tests_dir), secret=secret)
     targets: list[tuple[str, types.FunctionType]] = []
     for name in names:
         targets.extend(_functions_of(name, resolve(name)))
@@ -324,9 +330,9 @@ def installed() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def guarded(names: Iterable[str], tests_dir: str | None = None) -> Iterator[None]:
+def guarded(names: Iterable[str], tests_dir: str | None = None, secret: str | None = None) -> Iterator[None]:
     """``install`` for the duration of a ``with`` block."""
-    install(names, tests_dir)
+    install(names, tests_dir, secret)
     guard = _GUARD
     try:
         yield
@@ -405,6 +411,65 @@ def reference(name: str) -> Callable[..., Any]:
     return run
 
 
+# ----------------------------------------------------------------------------- secret inputs, strict errors
+
+_PROCESS_SECRET = secrets.token_hex(16)   # when no grading secret is installed: fresh for each process
+
+
+def hidden_generator(label: str | None = None):
+    """A ``torch.Generator`` for a hidden test's random inputs, seeded from the grading secret.
+
+    The secret is the one the autograder zip was built with (``make assignments GRADING_SECRET=...``,
+    by default a fresh random one per build), installed with the guard; without one, a secret drawn
+    once per process. So the inputs are the same every time one zip grades (a regrade gives the same
+    score) but neither the notebook's seed nor an earlier build's inputs predict them: a table of
+    inputs and outputs recorded elsewhere does not replay. ``label`` (default: the calling test
+    function's name) gives each test its own stream. Only test files may call it.
+    """
+    import hashlib
+
+    import torch
+
+    caller = sys._getframe(1)
+    _check_caller("capslib.tools.grading.hidden_generator", caller)
+    if label is None:
+        label = caller.f_code.co_name
+    guard = _GUARD
+    secret = guard.secret if guard is not None and guard.secret else _PROCESS_SECRET
+    digest = hashlib.sha256(f"{secret}\0{label}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+
+def _identifiers(text: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
+
+
+def assert_error_names(fn: Callable[..., Any], bad: str, params: Iterable[str], *args: Any, **kwargs: Any) -> None:
+    """Assert that ``fn(*args, **kwargs)`` raises ``ValueError`` whose message names ``bad`` and no other
+    of the function's arguments ``params`` (its parameter names as the assignment states them).
+
+    A name counts as named when it appears as a whole identifier in the message (``u_hat`` in
+    "u_hat must be (B, I, J, D)", not in "u_hats"). A message naming every argument names none usefully,
+    and fails.
+    """
+    params = tuple(params)
+    if bad not in params:
+        raise ValueError(f"bad must be one of the arguments {params}; got {bad!r}")
+    try:
+        fn(*args, **kwargs)
+    except ValueError as err:
+        named = _identifiers(str(err)) & set(params)
+        if bad not in named:
+            raise AssertionError(f"the error should name {bad!r}: {err}") from None
+        if named != {bad}:
+            raise AssertionError(f"the error should name {bad!r} and no other argument; it also names "
+                                 f"{sorted(named - {bad})}: {err}") from None
+    else:
+        raise AssertionError(f"no ValueError for a bad {bad}")
+
+
 # ----------------------------------------------------------------------------- the otter plugin
 
 def _guard_names(config: Any) -> list[str]:
@@ -424,7 +489,7 @@ def _guard_names(config: Any) -> list[str]:
 
 GUARD_CELL = """\
 import capslib.tools.grading as _capslib_grading
-_capslib_grading.install({names!r}, tests_dir="./tests")
+_capslib_grading.install({names!r}, tests_dir="./tests", secret={secret!r})
 del _capslib_grading
 """
 
@@ -455,6 +520,7 @@ class NoDelegation(AbstractOtterPlugin):
         self.names = _guard_names(plugin_config)
         self.allowed = tuple(plugin_config.get("allowed_imports", ()))
         self.no_autograd = tuple(plugin_config.get("no_autograd", ()))
+        self.secret = plugin_config.get("secret")   # written by build(); seeds the hidden tests' inputs
         self.findings: list[tuple[Any, str | None]] = []   # (Finding, forbidden function or None)
         self.cells: list[str] = []
 
@@ -467,7 +533,7 @@ class NoDelegation(AbstractOtterPlugin):
                               if f.kind == "autograd"]
 
     def before_execution(self, submission):
-        source = GUARD_CELL.format(names=list(self.names))
+        source = GUARD_CELL.format(names=list(self.names), secret=self.secret)
         if isinstance(submission, str):
             self.scan([submission])
             return source + "\n" + submission
@@ -545,8 +611,12 @@ def autograder_zip(out: str | Path) -> Path:
     return zips[0]
 
 
-def build(master: str | Path, out: str | Path) -> Path:
+def build(master: str | Path, out: str | Path, secret: str | None = None) -> Path:
     """Otter Assign on one master into ``out`` (``student/``, ``autograder/``), and a zip that grades.
+
+    ``secret`` seeds the hidden tests' inputs (:func:`hidden_generator`); it is written into the
+    zip's ``otter_config.json`` (never into the student folder). None: a fresh random secret, so each
+    build draws new hidden inputs.
 
     The zip otter generates is renamed ``<name>-autograder.zip`` (no time stamp) and gets capslib's
     source twice: at the top (next to ``run_otter.py``, so that the grading process can import the
@@ -570,7 +640,12 @@ def build(master: str | Path, out: str | Path) -> Path:
                            f"(is 'generate' set in its ASSIGNMENT CONFIG?); found {made}")
     target = out / "autograder" / f"{master.stem}-autograder.zip"
     made[0].rename(target)
-    config_text = _scan_config(out / "autograder" / "otter_config.json", out / "student" / master.name, master.stem)
+    if secret is None:
+        secret = secrets.token_hex(16)
+    elif not isinstance(secret, str) or not secret.strip():
+        raise ValueError(f"secret must be a non-empty string; got {secret!r}")
+    config_text = _scan_config(out / "autograder" / "otter_config.json", out / "student" / master.name,
+                               master.stem, secret)
     with zipfile.ZipFile(target) as zf:   # the zip's otter_config.json gets the scan's configuration too
         entries = [(info, zf.read(info)) for info in zf.infolist()]
     with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_DEFLATED) as zf:
@@ -585,8 +660,9 @@ def build(master: str | Path, out: str | Path) -> Path:
     return target
 
 
-def _scan_config(config_path: Path, student: Path, stem: str) -> str:
-    """Add the static scan's settings to NoDelegation's entry in ``config_path``; the new JSON text.
+def _scan_config(config_path: Path, student: Path, stem: str, secret: str) -> str:
+    """Add the static scan's settings and the grading secret to NoDelegation's entry in ``config_path``;
+    the new JSON text.
 
     ``allowed_imports``: the capslib imports in the student notebook's code (what the assignment hands
     out); ``no_autograd``: :data:`capslib.tools.grading_scan.NO_AUTOGRAD` for this assignment.
@@ -604,6 +680,8 @@ def _scan_config(config_path: Path, student: Path, stem: str) -> str:
         raise RuntimeError(f"{config_path}: expected one {_PLUGIN} plugin entry; found {len(entries)}")
     entries[0][_PLUGIN]["allowed_imports"] = sorted(allowed_imports(given))
     entries[0][_PLUGIN]["no_autograd"] = list(NO_AUTOGRAD.get(stem, ()))
+    entries[0][_PLUGIN]["secret"] = secret
+    entries[0][_PLUGIN].pop("book_answers", None)   # the student edition's business, not the grader's
     text = json.dumps(cfg, indent=2)
     config_path.write_text(text)
     return text
@@ -734,6 +812,9 @@ def _main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="otter assign each master into OUT/<master name>/")
     b.add_argument("masters", nargs="+")
     b.add_argument("--out", required=True)
+    b.add_argument("--secret", default=os.environ.get("GRADING_SECRET") or None,
+                   help="seeds the hidden tests' inputs (default: $GRADING_SECRET, else a fresh random secret "
+                        "per assignment); written into each autograder zip only")
     c = sub.add_parser("student-config", help="write the student edition's Jupyter Book config")
     c.add_argument("--source", default="_config.yml")
     c.add_argument("--dest", default="_build/student/_config.yml")
@@ -756,7 +837,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     for m in args.masters:
         dest = Path(args.out) / Path(m).stem
-        zip_path = build(m, dest)
+        zip_path = build(m, dest, args.secret)
         print(f"{m} -> {dest}/student (hand out), {zip_path} (upload to Gradescope or grade with otter run)")
     return 0
 

@@ -96,24 +96,18 @@ def _softmax_vjp(c: torch.Tensor, grad_c: torch.Tensor) -> torch.Tensor:
     return c * (grad_c - (c * grad_c).sum(-1, keepdim=True))
 
 
-def gradient_terms(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0):
-    """The two terms of ``dL/du_hat`` (Gu & Tresp, supplement Eq. 1), without autograd (chapter 4).
+def gradient_by_iteration(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3,
+                          logit_scale: float = 1.0) -> torch.Tensor:
+    """``dL/du_hat`` split by the routing iteration through which it reaches the votes, without
+    autograd (chapter 4): the adjoint recursion, line 5, kept apart per iteration.
 
-    ``grad_v = dL/dv`` at the routing output. The first term is the gradient with the
-    final couplings held constant, ``c_im^(K) (dv_m/ds_m)^T dL/dv_m``; the second is
-    everything that reaches ``u_hat`` because the couplings depend on it: the
-    softmax derivative (their Eq. 3) and the agreement updates of every earlier
-    iteration, unrolled by hand back to ``b = 0``.
+    The votes enter iteration ``t`` twice: in ``s^(t) = sum_i c^(t) u_hat`` and, for ``t < K``, in the
+    logit update ``b^(t+1) = b^(t) + u_hat . v^(t)``. Entry ``t`` (0-based) of the result is what
+    flows back along those two uses. The last entry is the direct term of Gu & Tresp's Eq. 1 (the
+    detached gradient); the others sum to its second term, through the couplings.
 
-    Args:
-        u_hat: votes ``(B, I, J, D)``.
-        grad_v: ``(B, J, D)``.
-        iterations: ``K >= 1``; ``K = 1`` has uniform couplings and no second term.
-        logit_scale: ``lambda`` of :func:`scaled_routing`.
-
-    Returns:
-        ``(direct, through_couplings)``, each ``(B, I, J, D)``; their sum is the full
-        gradient and ``direct`` is the gradient of detached routing.
+    Args and checks as :func:`gradient_terms`. Returns ``(K, B, I, J, D)``; the sum over the first
+    axis is the full gradient.
     """
     _check_votes(u_hat)
     _check_grad_v(u_hat, grad_v)
@@ -134,20 +128,43 @@ def gradient_terms(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 
             b = b + torch.einsum("bijd,bjd->bij", u, v)        # B_ij += u_hat_{j|i} . v_j
     # backward pass
     K = iterations - 1
+    pieces = u.new_zeros((iterations, *u.shape))
     gs = squash_vjp(ss[K], gv)                                # (dv/ds)^T dL/dv, (B, J, D)
-    direct = cs[K].unsqueeze(-1) * gs.unsqueeze(1)            # Eq. 1, first term
-    through = torch.zeros_like(u)
+    pieces[K] = cs[K].unsqueeze(-1) * gs.unsqueeze(1)         # Eq. 1, first term
     gc = torch.einsum("bjd,bijd->bij", gs, u)                 # dL/dc_ij = gs_j . u_hat_{j|i}
     gb = lam * _softmax_vjp(cs[K], gc)                        # Eq. 3: through the softmax
     for t in range(K - 1, -1, -1):
         # b^(t+1) = b^(t) + u_hat . v^(t): the logits' gradient reaches u_hat and v^(t)
-        through += gb.unsqueeze(-1) * vs[t].unsqueeze(1)
+        pieces[t] += gb.unsqueeze(-1) * vs[t].unsqueeze(1)
         gvt = torch.einsum("bij,bijd->bjd", gb, u)
         gst = squash_vjp(ss[t], gvt)
-        through += cs[t].unsqueeze(-1) * gst.unsqueeze(1)     # s^(t) = sum_i c^(t) u_hat
+        pieces[t] += cs[t].unsqueeze(-1) * gst.unsqueeze(1)   # s^(t) = sum_i c^(t) u_hat
         gct = torch.einsum("bjd,bijd->bij", gst, u)
         gb = gb + lam * _softmax_vjp(cs[t], gct)              # b^(t) feeds the next logits and c^(t)
-    return direct, through
+    return pieces
+
+
+def gradient_terms(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0):
+    """The two terms of ``dL/du_hat`` (Gu & Tresp, supplement Eq. 1), without autograd (chapter 4).
+
+    ``grad_v = dL/dv`` at the routing output. The first term is the gradient with the
+    final couplings held constant, ``c_im^(K) (dv_m/ds_m)^T dL/dv_m``; the second is
+    everything that reaches ``u_hat`` because the couplings depend on it: the
+    softmax derivative (their Eq. 3) and the agreement updates of every earlier
+    iteration, unrolled by hand back to ``b = 0`` (:func:`gradient_by_iteration`, summed).
+
+    Args:
+        u_hat: votes ``(B, I, J, D)``.
+        grad_v: ``(B, J, D)``.
+        iterations: ``K >= 1``; ``K = 1`` has uniform couplings and no second term.
+        logit_scale: ``lambda`` of :func:`scaled_routing`.
+
+    Returns:
+        ``(direct, through_couplings)``, each ``(B, I, J, D)``; their sum is the full
+        gradient and ``direct`` is the gradient of detached routing.
+    """
+    pieces = gradient_by_iteration(u_hat, grad_v, iterations, logit_scale)
+    return pieces[-1], pieces[:-1].sum(0)
 
 
 def autograd_terms(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0):

@@ -223,3 +223,44 @@ def test_step_cost_times_both_kinds_of_step_and_counts_their_work():
         ch04.step_cost(net, x, y, pairs=1)
     with pytest.raises(TypeError, match="CapsNet"):
         ch04.step_cost(torch.nn.Linear(2, 2), x, y)
+
+
+def test_gradient_by_iteration_matches_autograd_on_one_copy_of_the_votes_per_iteration():
+    # autograd sees the votes as K separate leaves, one per routing iteration (its s and its logit update):
+    # the gradient of leaf t is what flows back through iteration t
+    torch.manual_seed(4)
+    B, I, J, D, K, lam = 3, 6, 4, 5, 3, 2.0
+    u = 0.7 * torch.randn(B, I, J, D, dtype=torch.float64)
+    gv = torch.randn(B, J, D, dtype=torch.float64)
+    leaves = [u.clone().requires_grad_(True) for _ in range(K)]
+    b = torch.zeros(B, I, J, dtype=torch.float64)
+    for t in range(K):
+        c = torch.softmax(lam * b, dim=2)
+        v = capslib.squash(torch.einsum("bij,bijd->bjd", c, leaves[t]))
+        if t < K - 1:
+            b = b + torch.einsum("bijd,bjd->bij", leaves[t], v)
+    grads = torch.autograd.grad((v * gv).sum(), leaves)
+    pieces = cg.gradient_by_iteration(u, gv, K, lam)
+    assert pieces.shape == (K, B, I, J, D)
+    for t in range(K):
+        torch.testing.assert_close(pieces[t], grads[t], rtol=1e-10, atol=1e-12)
+    direct, through = cg.gradient_terms(u, gv, K, lam)
+    torch.testing.assert_close(pieces[-1], direct, rtol=0, atol=0)
+    torch.testing.assert_close(pieces[:-1].sum(0), through, rtol=0, atol=0)
+    assert float(pieces[0].norm()) > 0    # the first iteration (couplings 1/J) does carry gradient
+
+
+def test_second_term_by_row_classes_rows_and_splits_the_flow_by_iteration():
+    torch.manual_seed(5)
+    u = 0.5 * torch.randn(4, 12, 5, 6, dtype=torch.float64)
+    y = torch.arange(4) % 5
+    got = ch04.second_term_by_row(u, y, 3, [1.0, 256.0])
+    assert set(got) == {1.0, 256.0}
+    assert set(got[1.0]) == {"undecided"} and got[1.0]["undecided"]["rows"] == 1.0   # no row decided at lambda 1
+    for at in got.values():
+        assert sum(s["rows"] for s in at.values()) == pytest.approx(1.0)
+        for s in at.values():
+            assert len(s["by_iteration"]) == 2 and sum(s["by_iteration"]) == pytest.approx(1.0) and s["second"] >= 0
+    assert "saturated" in got[256.0]                # a large logit scale saturates rows
+    with pytest.raises(ValueError, match="iterations"):
+        ch04.second_term_by_row(u, y, 1, [1.0])

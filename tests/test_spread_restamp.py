@@ -50,3 +50,15 @@ def test_digest_at_reads_the_committed_version():
     assert spread.digest_at("HEAD", nb) == spread.source_digest(nb)
     with pytest.raises(ValueError, match="git cannot show"):
         spread.digest_at("no-such-revision", nb)
+
+
+def test_cell_timeout_reaches_every_execution_and_refuses_nonsense(monkeypatch, capsys):
+    from capslib.tools import spread as sp
+    seen = []
+    monkeypatch.setattr(sp, "_one_job", lambda seed, threads, nbs, workdir, cell_timeout: seen.append(cell_timeout) or {})
+    monkeypatch.setattr(sp, "_write", lambda table, path: None)
+    sp.measure([0], [1], sp.chapters()[:1], cell_timeout=1234)
+    assert seen == [1234]
+    with pytest.raises(SystemExit):
+        sp.main(["--chapters", "01", "--cell-timeout", "0"])
+    assert "--cell-timeout" in capsys.readouterr().err

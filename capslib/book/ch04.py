@@ -601,6 +601,41 @@ def _unit_data(unit, device, smoke: bool):
     return move(tr), move(val), move(probe), {k: move(s) for k, s in tests.items()}
 
 
+ROW_STATES = (("undecided", 0.0, 0.9), ("decided", 0.9, 0.99), ("saturated", 0.99, 1.01))
+
+
+def second_term_by_row(u_hat: torch.Tensor, y: torch.Tensor, iterations: int, scales) -> dict:
+    """Where the second term of a vote's gradient comes from, by how decided the vote's row is.
+
+    For each logit scale ``lambda`` in ``scales``: the margin loss's upstream gradient for that routing,
+    the gradient split by iteration (:func:`capslib.coupling_gradient.gradient_by_iteration`), and each
+    row ``i`` of each sample classed by its largest last coupling ``max_j c_ij`` (:data:`ROW_STATES`:
+    below 0.9, 0.9 to 0.99, above 0.99). Returns ``{lambda: {state: {"rows": share of the rows,
+    "second": mean norm of the row's second term (over its J votes), "by_iteration": share of the
+    second term's summed norm that flows through each iteration 1..K-1}}}``; a state without rows
+    at a scale is left out there."""
+    from ..coupling_gradient import gradient_by_iteration, margin_upstream, scaled_routing
+
+    check_tensor("u_hat", u_hat, dims=4, floating=True, shape_doc="(B, I, J, D)")
+    check_positive_int("iterations", iterations, minimum=2)
+    out = {}
+    for lam in scales:
+        u, gv = margin_upstream(u_hat, y, iterations, float(lam))
+        pieces = gradient_by_iteration(u, gv, iterations, float(lam))
+        decided = scaled_routing(u, iterations, float(lam))[1].max(dim=2).values          # (B, I)
+        second = pieces[:-1].sum(0).norm(dim=-1).norm(dim=2)                            # (B, I)
+        per_iter = pieces[:-1].norm(dim=-1).sum(3)                                      # (K-1, B, I)
+        at = {}
+        for state, lo, hi in ROW_STATES:
+            rows = (decided >= lo) & (decided < hi)
+            if rows.any():
+                flows = per_iter[:, rows].sum(1)
+                at[state] = {"rows": float(rows.double().mean()), "second": float(second[rows].mean()),
+                             "by_iteration": (flows / flows.sum()).tolist()}
+        out[float(lam)] = at
+    return out
+
+
 @torch.no_grad()
 def routing_effect(net, split, batch: int = 1000) -> tuple[dict, dict]:
     """What routing does to the forward pass of a trained CapsNet on ``split``: the accuracy with

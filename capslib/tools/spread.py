@@ -58,7 +58,7 @@ def run_key(seed: int, threads: int, cpu: str | None = None) -> str:
     return f"seed {seed}, {threads} thread{'s' if threads > 1 else ''}" + (f", {cpu}" if cpu else "")
 
 
-def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> dict:
+def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell_timeout: int = CELL_TIMEOUT) -> dict:
     """Execute ``notebooks`` in order at ci under ``seed`` and ``threads``; their logged claims."""
     tag = f"spread-s{seed}-t{threads}"
     env = dict(os.environ, CAPSBOOK_PROFILE="ci", CAPSBOOK_PROGRESS="0", CAPSBOOK_SEED=str(seed), CAPSBOOK_THREADS=str(threads),
@@ -74,7 +74,7 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path) -> d
                 log.unlink(missing_ok=True)
                 t0 = time.perf_counter()
                 proc = subprocess.run(
-                    [sys.executable, "-m", "capslib.tools.execute", f"--timeout={CELL_TIMEOUT}",
+                    [sys.executable, "-m", "capslib.tools.execute", f"--timeout={cell_timeout}",
                      "--output-dir", str(workdir / tag), str(nb)],
                     env=env, capture_output=True, text=True, cwd=ROOT)
                 seconds = time.perf_counter() - t0
@@ -161,13 +161,15 @@ def _lock_digest() -> str | None:
 
 
 def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: int = 1,
-            path: Path = SPREAD_FILE) -> dict:
-    """Run every (seed, threads) job, merge the measurements into ``path`` and return the table."""
+            path: Path = SPREAD_FILE, cell_timeout: int = CELL_TIMEOUT) -> dict:
+    """Run every (seed, threads) job, merge the measurements into ``path`` and return the table
+    (``cell_timeout``: seconds one cell may take, longer on a machine that other work shares)."""
     digests = {nb.stem: source_digest(nb) for nb in notebooks}
     with tempfile.TemporaryDirectory(prefix="capsbook-spread-") as tmp:
         configs = [(s, t) for t in threads for s in seeds]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            results = list(pool.map(lambda st: (st, _one_job(st[0], st[1], notebooks, Path(tmp))), configs))
+            results = list(pool.map(lambda st: (st, _one_job(st[0], st[1], notebooks, Path(tmp), cell_timeout)),
+                                    configs))
     import torch
 
     # read the file only now: another measurement may have merged into it meanwhile
@@ -305,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                          "current code, saying WHY the change cannot have moved a measurement, and stop")
     ap.add_argument("--from-rev", metavar="REV", help="with --restamp: the git revision the runs were measured on")
     ap.add_argument("--file", type=Path, default=SPREAD_FILE)
+    ap.add_argument("--cell-timeout", type=int, default=CELL_TIMEOUT,
+                    help=f"seconds one cell may take before it counts as hung (default {CELL_TIMEOUT}; more where the "
+                         "machine is shared)")
     args = ap.parse_args(argv)
     if args.table:
         print(markdown(json.loads(args.file.read_text())))
@@ -329,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(err))
         print("\n".join(lines) or "nothing to restamp: every run already carries its chapter's current digest")
         return 0
-    if any(t < 1 for t in args.threads) or args.jobs < 1:
-        ap.error("--threads and --jobs must be >= 1")
-    table = measure(args.seeds, args.threads, notebooks, jobs=args.jobs, path=args.file)
+    if any(t < 1 for t in args.threads) or args.jobs < 1 or args.cell_timeout < 1:
+        ap.error("--threads, --jobs and --cell-timeout must be >= 1")
+    table = measure(args.seeds, args.threads, notebooks, jobs=args.jobs, path=args.file, cell_timeout=args.cell_timeout)
     print(markdown(table))
     failing = [n for n, d in table["claims"].items() if not d["holds_in_every_run"]]
     errors = [(k, ch) for k, e in table["runs"].items() for ch, r in e["chapters"].items() if r["error"]]

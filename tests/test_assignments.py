@@ -323,6 +323,27 @@ def test_grading_secret_reaches_the_zip(tmp_path, monkeypatch):
     assert "the instructor's secret" not in (tmp_path / master.stem / "student" / master.name).read_text()
 
 
+@pytest.fixture(scope="module")
+def solved_master(tmp_path_factory):
+    """name -> (guard names, tests folder, a copy of the solved notebook's namespace), built once per master."""
+    cache: dict = {}
+
+    def get(name: str) -> tuple[list[str], Path, dict]:
+        if name not in cache:
+            master = next(m for m in MASTERS if m.stem == name)
+            out = tmp_path_factory.mktemp(f"solved_{name}")
+            grading.build(master, out)
+            cfg = _config(out)
+            tests_dir = out / "autograder" / "tests"
+            env: dict = {"__name__": "__submission__"}
+            with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+                _exec_cells(_code_cells(out / "autograder" / master.name), env, "solution")
+            cache[name] = (cfg["guard"], tests_dir, env)
+        guard, tests_dir, env = cache[name]
+        return guard, tests_dir, dict(env)
+    return get
+
+
 def _call_key(fn: str, args: tuple, kwargs: dict) -> tuple:
     import torch
 
@@ -337,19 +358,12 @@ def _call_key(fn: str, args: tuple, kwargs: dict) -> tuple:
 
 @pytest.mark.parametrize("name", ["a3_soft_routing_gradients", "a6_parse_tree_entropy",
                                   "a7_products_of_expert_capsules"])
-def test_a_recorded_table_does_not_replay(name, tmp_path_factory):
+def test_a_recorded_table_does_not_replay(name, solved_master):
     """Issue 35: hidden inputs came from fixed seeds or the notebook's seeded generator, so a table of
     inputs and outputs recorded in one grading replayed in the next. The table is recorded from the
     master under one secret; under the same secret it replays to full marks (the hole, as it was), under
     another every hidden test that draws its inputs from the secret fails."""
-    master = next(m for m in MASTERS if m.stem == name)
-    out = tmp_path_factory.mktemp(f"replay_{name}")
-    grading.build(master, out)
-    cfg = _config(out)
-    tests_dir = out / "autograder" / "tests"
-    solved: dict = {"__name__": "__submission__"}
-    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
-        _exec_cells(_code_cells(out / "autograder" / master.name), solved, "solution")
+    guard, tests_dir, solved = solved_master(name)
     fns = _graded_functions(solved)
     table: dict = {}
 
@@ -374,12 +388,12 @@ def test_a_recorded_table_does_not_replay(name, tmp_path_factory):
         return replay
 
     recording = dict(solved, **{fn: recorder(fn, solved[fn]) for fn in fns})
-    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir), secret="term 1"):
+    with grading.guarded(guard, tests_dir=str(tests_dir), secret="term 1"):
         assert all(_case_results(tests_dir, recording).values())
     replaying = dict(solved, **{fn: replayer(fn) for fn in fns})
-    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir), secret="term 1"):
+    with grading.guarded(guard, tests_dir=str(tests_dir), secret="term 1"):
         same = _case_results(tests_dir, replaying)
-    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir), secret="term 2"):
+    with grading.guarded(guard, tests_dir=str(tests_dir), secret="term 2"):
         other = _case_results(tests_dir, replaying)
     assert all(same.values()), same
     drawn = _tests_calling(tests_dir, "hidden_generator(")
@@ -394,19 +408,12 @@ def test_a_recorded_table_does_not_replay(name, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["a3_soft_routing_gradients", "a4_coupling_gradient", "a5_em_routing",
                                   "a7_products_of_expert_capsules"])
-def test_an_error_naming_every_argument_fails_the_error_tests(name, tmp_path_factory):
+def test_an_error_naming_every_argument_fails_the_error_tests(name, solved_master):
     """Issue 35: the error tests only looked for the bad argument's name in the message, so a
     ``ValueError`` that named every argument passed. Each graded function of the master is wrapped to
     re-raise its ``ValueError`` naming all its arguments: every error test fails, every other test passes."""
     import inspect
-    master = next(m for m in MASTERS if m.stem == name)
-    out = tmp_path_factory.mktemp(f"errors_{name}")
-    grading.build(master, out)
-    cfg = _config(out)
-    tests_dir = out / "autograder" / "tests"
-    env: dict = {"__name__": "__submission__"}
-    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
-        _exec_cells(_code_cells(out / "autograder" / master.name), env, "solution")
+    guard, tests_dir, env = solved_master(name)
 
     def vague(f):
         names = ", ".join(inspect.signature(f).parameters)
@@ -420,7 +427,7 @@ def test_an_error_naming_every_argument_fails_the_error_tests(name, tmp_path_fac
 
     for fn in _graded_functions(env):
         env[fn] = vague(env[fn])
-    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+    with grading.guarded(guard, tests_dir=str(tests_dir)):
         results = _case_results(tests_dir, env)
     strict = _tests_calling(tests_dir, "assert_error_names(")
     assert strict, f"{name} has no strict error test"
@@ -479,6 +486,18 @@ def _notebook_with(notebook: Path, replacements: dict[str, str], dest: Path) -> 
     return dest
 
 
+# issue 35's tampers of the kernel: otter's call_func replaced by a no-op, the test files the kernel's
+# checker reads overwritten, a fake question written; none is a construct the static scan flags
+_KERNEL_TAMPERS = """\
+import pathlib
+from otter.test_files import exception_test as _et
+getattr(_et, "test_case").call_func = lambda self, env: None
+for _p in pathlib.Path("tests").glob("q*.py"):
+    _p.write_text("from otter.test_files import test_case\\n@test_case(points=None)\\ndef test_ok():\\n    pass\\n")
+pathlib.Path("tests", "q99.py").write_text(pathlib.Path("tests", "q1.py").read_text())
+"""
+
+
 _GRADE_SCRIPT = """
 import json, sys, otter.api
 r = otter.api.grade_submission(sys.argv[1], sys.argv[2], quiet=True)
@@ -531,13 +550,29 @@ def test_otter_grades_the_zip(tmp_path, otter_built):
         d = tmp_path / name
         d.mkdir()
         submissions[name] = d / master.name
-        nbformat.write(nbformat.read(solved if name == "solved" else out / "student" / master.name, 4),
-                       submissions[name])
+        nb = nbformat.read(solved if name == "solved" else out / "student" / master.name, 4)
+        if name == "blank":   # the blank notebook with issue 35's kernel tampers (see _KERNEL_TAMPERS)
+            nb.cells.append(nbformat.v4.new_code_cell(_KERNEL_TAMPERS))
+        nbformat.write(nb, submissions[name])
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         results = dict(zip(submissions, pool.map(lambda p: _otter_grade(p, zip_path), submissions.values())))
     solved_r, blank_r = results["solved"], results["blank"]
     assert solved_r and all(v["score"] == v["possible"] > 0 for v in solved_r.values()), solved_r
+    # the tampers pass every test in the kernel (the control below) and the static scan does not see
+    # them: the zeros come from the fresh-process grading, which also drops the fake q99
     assert set(blank_r) == set(solved_r) and all(v["score"] == 0 for v in blank_r.values()), blank_r
+    assert not any("static scan" in m for v in blank_r.values() for m in v["messages"]), blank_r
+    from capslib.tools.grading_scan import scan
+    assert scan(_KERNEL_TAMPERS) == []
+    from otter.test_files import exception_test
+    saved = exception_test.test_case.call_func
+    try:
+        exec(compile(_KERNEL_TAMPERS.split("for _p")[0], "<tamper control>", "exec"), {})
+        tf = otter_test_files.ExceptionTestFile.from_file(str(out / "autograder" / "tests" / "q1.py"))
+        tf.run({})
+        assert tf.score == tf.possible > 0   # in the kernel, a blank notebook would have had every point
+    finally:
+        exception_test.test_case.call_func = saved
     tests_dir = out / "autograder" / "tests"
     for k, plan in enumerate(plans):
         r = results[f"routes{k}"]
@@ -575,6 +610,92 @@ def test_otter_zeroes_what_the_static_scan_flags(tmp_path, otter_built):
         assert any("static scan" in m and "imports capslib" in m and fn in m for m in r[q]["messages"]), r[q]
     for q in set(r) - hit:
         assert r[q]["score"] == r[q]["possible"] > 0 and not r[q]["messages"], (q, r[q])
+
+
+# ----------------------------------------------------------------------------- tampering with the grader
+
+_SUBCLASS_EQUAL = """
+import torch
+class _AlwaysEqual(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.equal, torch.allclose):
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+def my_quantize(c, levels=11):
+    return torch.zeros(c.shape, dtype=torch.long).as_subclass(_AlwaysEqual)
+"""
+_PATCHED_COMPARISONS = """
+import torch
+def my_class_codes(c, lengths, levels=11):
+    setattr(torch, "equal", lambda a, b: True)
+    setattr(torch.testing, "assert_close", lambda *a, **k: None)
+    return torch.zeros(c.shape[:2], dtype=torch.long), torch.zeros(c.shape[0], dtype=torch.long)
+"""
+_FORGED_FILENAME = """
+def my_parse_tree_entropy(codes, predicted, num_classes):
+    ns = {}
+    exec(compile("import capslib.tools.grading as g\\n"
+                 "def f(*a):\\n    return g.reference('capslib.rem.parse_tree_entropy')(*a)\\n", "<frozen x>", "exec"), ns)
+    return ns["f"](codes, predicted, num_classes)
+"""
+_TAMPERS = {"my_quantize": _SUBCLASS_EQUAL, "my_class_codes": _PATCHED_COMPARISONS,
+            "my_parse_tree_entropy": _FORGED_FILENAME}
+
+
+def test_tampers_score_nothing_in_the_fresh_process(otter_built):
+    """Issue 35's tampers that a graded function can do while a test runs it, one per question of the
+    assignment graded through otter: a tensor subclass whose ``__torch_function__`` says "equal" (q1),
+    comparisons patched from inside the function (q2), code compiled under the forged file name
+    ``"<frozen x>"`` that asks :func:`reference` for the answer (q3). Graded as otter grades, in the
+    submission's own namespace, the first two earn points (the control); graded in the fresh process
+    (what the zip's plugin does) all three score 0 on their question, and the honest q4 keeps its marks.
+    The forged name is refused by the guard in both."""
+    from capslib.tools.grading_fresh import grade
+    from capslib.tools.grading_plugin import _read_tests
+
+    master, out, _ = otter_built
+    cfg = _config(out)
+    tests_dir = out / "autograder" / "tests"
+    solved = _code_cells(out / "autograder" / master.name)
+    cells = [next((t for fn, t in _TAMPERS.items() if c.lstrip().startswith(f"def {fn}(")), c) for c in solved]
+    assert sum(c in _TAMPERS.values() for c in cells) == 3
+    question = {"my_quantize": "q1", "my_class_codes": "q2", "my_parse_tree_entropy": "q3"}
+    assert all(_questions_using(tests_dir, fn) >= {q} for fn, q in question.items())
+
+    import torch
+    saved = (torch.equal, torch.testing.assert_close)
+    env: dict = {"__name__": "__submission__"}
+    try:
+        with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+            _exec_cells(cells, env, "tampered")
+            in_kernel = _grade(tests_dir, env)
+    finally:
+        torch.equal, torch.testing.assert_close = saved
+    assert in_kernel["q1"]["score"] > 0 and in_kernel["q2"]["score"] > 0, in_kernel   # the holes, as they were
+    assert in_kernel["q3"]["score"] == 0 and all("DelegationError" in m for m in in_kernel["q3"]["messages"])
+
+    fresh = grade(cells, _read_tests(tests_dir), cfg["guard"], "a secret")
+    passed = {q: [c["passed"] for c in r["cases"]] for q, r in fresh.items()}
+    for q in ("q1", "q2", "q3"):
+        assert not any(passed[q]), (q, fresh[q])
+    assert any("subclass of torch.Tensor" in c["message"] for c in fresh["q1"]["cases"]), fresh["q1"]
+    assert all("DelegationError" in c["message"] for c in fresh["q3"]["cases"]), fresh["q3"]
+    assert all(passed["q4"]) and passed["q4"], fresh["q4"]
+
+
+def test_extract_takes_only_what_the_tests_reach():
+    from capslib.tools.grading_fresh import extract, test_parameters
+    cells = ["import torch\nimport matplotlib.pyplot as plt\n",
+             "SCALE = 2.0\nG = torch.autograd.grad\n",
+             "def _helper(x):\n    return SCALE * x\n\ndef my_f(x):\n    return _helper(x)\n",
+             "import otter\notter.test_files.exception_test.test_case.call_func = None\nplt.plot([1])\n",
+             "def unrelated():\n    pass\n", "this is not python(\n"]
+    src = extract(cells, ["my_f"])
+    assert "def my_f" in src and "def _helper" in src and "SCALE = 2.0" in src and "import torch" not in src
+    assert "call_func" not in src and "plt" not in src and "unrelated" not in src and "G =" not in src
+    assert "import torch" in extract(cells, ["G"])
+    assert test_parameters({"q1": "def test_a(my_f, env):\n    pass\ndef helper(x):\n    pass\n"}) == ["my_f"]
 
 
 # ----------------------------------------------------------------------------- the student edition check

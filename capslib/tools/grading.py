@@ -66,13 +66,21 @@ the function, ``importlib.import_module``, ``from capslib.x import f as g``, ``i
 or through :func:`reference`. ``tests/test_assignments.py`` grades a submission for each of those
 routes and checks it scores zero with a :class:`DelegationError` in every failure message.
 
-Grading runs the submission in the same Python process as the tests, so it cannot stop a
-submission that sets out to defeat the grader itself. Known ways around it, not tested and not
-stopped: restoring the original code objects from this module's private state (reachable by
-introspection, e.g. ``gc.get_referrers``); loading a second copy of capslib from its file with
-``importlib.util.spec_from_file_location``; code compiled under a forged file name (a path in the
-standard library, site-packages or the tests folder) so that its frames look trusted; rewriting the
-test files on disk. Copying capslib's source text into the notebook is plagiarism, not delegation,
+Otter runs the tests in the submission's kernel, where a submission can defeat the grader itself
+(replace otter's ``call_func``, rewrite the test files, patch ``assert_close``). The otter plugin
+(:mod:`capslib.tools.grading_plugin`) therefore grades the submitted code again in a fresh process
+(:mod:`capslib.tools.grading_fresh`) and keeps only those results, beside the static scan
+(:mod:`capslib.tools.grading_scan`). Code compiled under a name in angle brackets (``"<frozen x>"``)
+counts as submission code here, whatever the name. Hidden tests draw their inputs from the zip's
+secret (:func:`hidden_generator`); error tests require the bad argument and only it in the message
+(:func:`assert_error_names`).
+
+Known ways around the guard, not stopped: restoring the original code objects from this module's
+private state (reachable by introspection, e.g. ``gc.get_referrers``); loading a second copy of
+capslib from its file with ``importlib.util.spec_from_file_location`` under another module name
+(the static scan flags ``importlib``); code compiled under the forged path of a real file (in the
+standard library, site-packages or the tests folder) so that its frames look trusted. Copying
+capslib's source text into the notebook is plagiarism, not delegation,
 and is left to the instructor. The guard is a tool against the easy shortcut, not a sandbox.
 """
 from __future__ import annotations
@@ -89,14 +97,6 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
-
-try:  # otter is needed only to grade, not to import this module
-    from otter.plugins import AbstractOtterPlugin
-except ImportError:  # pragma: no cover - otter is in the lock
-    class AbstractOtterPlugin:  # type: ignore[no-redef]
-        def __init__(self, submission_path, submission_metadata, plugin_config):
-            self.submission_path, self.submission_metadata = submission_path, submission_metadata
-            self.plugin_config = plugin_config
 
 _CAPSLIB_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -357,12 +357,20 @@ def _library_dirs() -> tuple[str, ...]:
 _LIBRARY_DIRS = _library_dirs()
 
 
-def _frame_kind(filename: str) -> str:
-    """'test', 'library' or 'submission' for the file a frame's code was compiled from."""
-    if filename.startswith("<frozen ") or filename.startswith("<capslib.tools.grading stub"):
-        return "library"
+def _frame_kind(code: types.CodeType) -> str:
+    """'test', 'library' or 'submission' for the code a frame runs (by the file it was compiled from).
+
+    A name in angle brackets is a file name anyone can give ``compile``: such code counts as library
+    only when it is one of the guard's own stubs (by identity), never by its name (issue 35: code
+    compiled as ``"<frozen x>"`` was served by :func:`reference`). Python's frozen modules never sit
+    between a test and :func:`reference`.
+    """
+    filename = code.co_filename
     if filename.startswith("<"):
-        return "submission"  # exec'd strings, IPython input
+        guard = _GUARD
+        if guard is not None and any(fn.__code__ is code for fn, _ in guard.stubbed.values()):
+            return "library"
+        return "submission"  # exec'd strings, IPython input, forged names
     path = str(Path(filename).resolve())
     guard = _GUARD
     if guard is not None and guard.tests_dir is not None:
@@ -377,7 +385,7 @@ def _frame_kind(filename: str) -> str:
 
 def _check_caller(what: str, frame: types.FrameType | None) -> None:
     while frame is not None:
-        kind = _frame_kind(frame.f_code.co_filename)
+        kind = _frame_kind(frame.f_code)
         if kind == "test":
             return
         if kind == "submission":
@@ -487,110 +495,14 @@ def _guard_names(config: Any) -> list[str]:
     return names
 
 
-GUARD_CELL = """\
-import capslib.tools.grading as _capslib_grading
-_capslib_grading.install({names!r}, tests_dir="./tests", secret={secret!r})
-del _capslib_grading
-"""
-
-
-class NoDelegation(AbstractOtterPlugin):
-    """Otter plugin: grade with the configured capslib callables stubbed (see the module docstring),
-    and score 0 on every question that the static scan (:mod:`capslib.tools.grading_scan`) flags.
-
-    ``before_execution`` scans the submission's code cells as submitted (before anything runs), then
-    puts a cell that calls :func:`install` before the submission's first cell; otter's own set-up
-    cell still comes first, so the guard is in place before any student code or ``grader.check``
-    runs. ``after_grading`` sets each flagged question to 0 and adds the findings to its report:
-
-    * a finding of autograd in a function the assignment forbids it in (``no_autograd``) hits the
-      questions whose tests use that function;
-    * a finding inside a top-level function ``f`` hits the questions whose tests use a name that
-      reaches ``f`` (``f`` itself, or a graded function that calls it); one that no tested name
-      reaches, and one at top level (a capslib import, ``exec``, patching a module), hits every
-      autograded question.
-
-    Configuration beside ``guard`` (written by :func:`build`, from the master): ``allowed_imports``,
-    the capslib import statements the assignment hands out, and ``no_autograd``, the graded
-    functions whose question forbids autograd.
-    """
-
-    def __init__(self, submission_path, submission_metadata, plugin_config):
-        super().__init__(submission_path, submission_metadata, plugin_config)
-        self.names = _guard_names(plugin_config)
-        self.allowed = tuple(plugin_config.get("allowed_imports", ()))
-        self.no_autograd = tuple(plugin_config.get("no_autograd", ()))
-        self.secret = plugin_config.get("secret")   # written by build(); seeds the hidden tests' inputs
-        self.findings: list[tuple[Any, str | None]] = []   # (Finding, forbidden function or None)
-        self.cells: list[str] = []
-
-    def scan(self, cells: list[str]) -> None:
-        from capslib.tools.grading_scan import scan_cells
-        self.cells = list(cells)
-        self.findings = [(f, None) for f in scan_cells(self.cells, (), allowed=self.allowed)]
-        for fn in self.no_autograd:
-            self.findings += [(f, fn) for f in scan_cells(self.cells, {f"autograd:{fn}"}, allowed=self.allowed)
-                              if f.kind == "autograd"]
-
-    def before_execution(self, submission):
-        source = GUARD_CELL.format(names=list(self.names), secret=self.secret)
-        if isinstance(submission, str):
-            self.scan([submission])
-            return source + "\n" + submission
-        import nbformat
-        self.scan([c.source for c in submission.cells if c.cell_type == "code"])
-        submission.cells.insert(0, nbformat.v4.new_code_cell(source))
-        return submission
-
-    def affected(self, tests: dict[str, set[str]]) -> dict[str, list[str]]:
-        """Question -> the findings' text that zero it, given each question's names used by its tests."""
-        from capslib.tools.grading_scan import reachable_definitions
-        reach = {q: set().union(*(reachable_definitions(self.cells, n) for n in names)) if names else set()
-                 for q, names in tests.items()}
-        out: dict[str, list[str]] = {}
-        for finding, fn in self.findings:
-            if fn is not None:
-                hit = [q for q, names in tests.items() if fn in names]
-            elif finding.function is not None:
-                hit = [q for q, defs in reach.items() if finding.function in defs]
-            else:
-                hit = []
-            for q in hit or list(tests):
-                out.setdefault(q, []).append(str(finding))
-        return out
-
-    def after_grading(self, results):
-        if not self.findings:
-            return
-        from otter.test_files.abstract_test import TestCase, TestCaseResult
-        tests = {q: _names_used(getattr(tf, "path", None)) for q, tf in results.results.items()}
-        affected = self.affected(tests)
-        lines = []
-        for q, texts in affected.items():
-            reason = (f"{q} scores 0: the static scan of the submission flagged\n"
-                      + "\n".join(f"  - {t}" for t in texts))
-            tf = results.results[q]
-            tf.test_case_results.append(TestCaseResult(
-                test_case=TestCase(name="static scan (capslib.tools.grading_scan)", body="", hidden=False,
-                                   points=0, success_message=None, failure_message=None),
-                message=reason, passed=False))
-            results.update_score(q, 0)
-            lines.append(reason)
-        text = "\n\n".join(lines)
-        results.set_output(text if not results.output else results.output + "\n\n" + text)
-        results.set_plugin_data("capslib.tools.grading.NoDelegation", {q: list(t) for q, t in affected.items()})
-
-
-def _names_used(path: str | None) -> set[str]:
-    """The names a test file refers to (its test functions' parameters and the names it reads)."""
-    import ast
-    if not path or not Path(path).is_file():
-        return set()
-    tree = ast.parse(Path(path).read_text())
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    names |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
-              for a in n.posonlyargs + n.args + n.kwonlyargs}
-    return names
+def __getattr__(name: str) -> Any:
+    """``capslib.tools.grading.NoDelegation`` (the name the masters' configuration uses) lives in
+    :mod:`capslib.tools.grading_plugin`, imported only when asked for: otter takes seconds to import,
+    and the guard and :func:`reference` do not need it."""
+    if name == "NoDelegation":
+        from capslib.tools.grading_plugin import NoDelegation
+        return NoDelegation
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def delegates(config: dict) -> dict[str, str]:

@@ -1,0 +1,267 @@
+"""Hidden tests out of the student's reach: grading in a fresh process (issue 35, item 1).
+
+Otter runs a submission's tests in the submission's own kernel, where the student's code can replace
+otter's ``call_func``, rewrite the test files, record a fake result or patch ``assert_close``. The
+``NoDelegation`` plugin therefore throws the kernel's scores away and grades again here:
+
+1. Before anything of the submission runs, the plugin reads the test files (``tests/q*.py``) into
+   memory and keeps the submitted code cells.
+2. After otter's run, :func:`extract` takes from those cells only the top-level imports and the
+   definitions (functions, classes, assignments to a name) that the tests' parameters reach by name;
+   no other top-level statement of the notebook runs.
+3. :func:`grade` starts a fresh Python process (``python -m capslib.tools.grading_fresh``). It writes
+   the tests to a new private folder and loads them, installs the delegation guard with the zip's
+   secret, takes a snapshot of the namespaces the tests rely on (torch's and numpy's comparison helpers
+   ``assert_close``, ``equal``, ``allclose``..., ``torch.Tensor``'s methods, ``builtins``, the guard)
+   and of ``sys.modules``, and only then runs the extracted code. Otter is not imported there (the
+   test files' ``test_case`` decorator is replaced by a stand-in; the grading process scores the
+   cases with otter's own rules), so otter's ``call_func`` is not the submission's to replace. Every graded
+   function is wrapped: after each call the snapshot is restored (a patch made while it ran is undone
+   before the test compares) and every tensor it returns must be exactly ``torch.Tensor`` (a subclass
+   whose ``__torch_function__`` says "equal" fails the test).
+4. The plugin replaces otter's results for every question by these (questions it does not know, e.g.
+   a fake ``q9.py`` written during the run, are dropped).
+
+Not a sandbox: the submission's kernel runs before this with the grader's rights, so it can still
+rewrite the grader's own files on disk (the zip's capslib, otter, torch); only running the kernel as
+another user stops that. A graded function still runs in the grading process when a test calls it.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+_MARK = "CAPSLIB-FRESH-RESULTS "
+
+
+def test_parameters(tests: dict[str, str]) -> list[str]:
+    """The names the tests take from the submission: the parameters of their test functions."""
+    names: set[str] = set()
+    for text in tests.values():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                names.update(a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs)
+    return sorted(names - {"env"})
+
+
+def extract(cells: Iterable[str], names: Iterable[str]) -> str:
+    """The part of a notebook's code cells that grading runs: the top-level definitions and imports that
+    ``names`` reach by name, in the notebook's order. Cells that do not parse are left out (the static
+    scan reports them)."""
+    from capslib.tools.grading_scan import _reachable, _top_level_bindings
+
+    body: list[ast.stmt] = []
+    for src in cells:
+        lines = [("" if l.lstrip().startswith(("%", "!")) else l) for l in src.splitlines()]
+        try:
+            body.extend(ast.parse("\n".join(lines)).body)
+        except SyntaxError:
+            continue
+    tree = ast.Module(body=body, type_ignores=[])
+    bindings = _top_level_bindings(tree)
+    keep: set[int] = set()
+    for name in names:
+        keep.update(id(s) for s in _reachable(name, bindings)
+                    if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
+                                      ast.AnnAssign, ast.Import, ast.ImportFrom)))
+    return ast.unparse(ast.Module(body=[s for s in body if id(s) in keep], type_ignores=[]))
+
+
+def grade(cells: Iterable[str], tests: dict[str, str], guard: Iterable[str], secret: str | None,
+          timeout: float = 600.0) -> dict[str, dict[str, Any]]:
+    """Grade the submitted ``cells`` against ``tests`` (question -> test file text) in a fresh process.
+
+    Returns question -> ``{"cases": [{"passed", "message"}, ...]}`` in the test file's order, or, when
+    the process failed, ``{"error": reason}`` for every question.
+    """
+    tests = dict(tests)
+    if not tests:
+        raise ValueError("no test files to grade with")
+    graded = test_parameters(tests)
+    job = {"source": extract(cells, graded), "tests": tests, "guard": list(guard), "secret": secret,
+           "graded": graded}
+    capslib_parent = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, MPLBACKEND="Agg",
+               PYTHONPATH=os.pathsep.join([capslib_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    with tempfile.TemporaryDirectory(prefix="capslib-fresh-") as work:
+        job_path = Path(work) / "job.json"
+        job_path.write_text(json.dumps(job))
+        try:
+            p = subprocess.run([sys.executable, "-m", "capslib.tools.grading_fresh", str(job_path)],
+                               capture_output=True, text=True, cwd=work, env=env, timeout=timeout)
+            lines = [l for l in p.stdout.splitlines() if l.startswith(_MARK)]
+            failure = None if p.returncode == 0 and lines else \
+                f"exit status {p.returncode}: {(p.stderr or p.stdout)[-2000:]}"
+        except subprocess.TimeoutExpired:
+            failure, lines = f"it ran past {timeout:.0f} s", []
+    if failure is not None:
+        return {q: {"error": f"{q} scores 0: the tests could not run in a fresh process ({failure})"} for q in tests}
+    return json.loads(lines[-1][len(_MARK):])
+
+
+# ----------------------------------------------------------------------------- inside the fresh process
+
+def _protected() -> list[tuple[Any, dict[str, Any], bool]]:
+    """(owner, a copy of its namespace, is a class) for what the tests rely on."""
+    import builtins
+    import math
+
+    import numpy
+    import numpy.testing
+    import torch
+    import torch.nn.functional
+    import torch.testing
+
+    import capslib.tools.grading
+
+    modules = [builtins, math, numpy, numpy.testing, torch, torch.testing, torch.nn.functional, torch.linalg,
+               capslib.tools.grading, json, sys.modules[__name__]]
+    classes = [torch.Tensor, numpy.ndarray, _TestCase]
+    out = [(m, dict(vars(m)), False) for m in modules]
+    out += [(c, dict(vars(c)), True) for c in classes]
+    out.append((sys.modules, {m.__name__: m for m in modules}, False))
+    return out
+
+
+_MISSING = object()
+
+
+def _restore(snapshot: list[tuple[Any, dict[str, Any], bool]]) -> None:
+    """Put back every entry of the snapshot that changed (a class also loses attributes it gained)."""
+    for owner, saved, is_class in snapshot:
+        if owner is sys.modules:
+            for name, module in saved.items():
+                if sys.modules.get(name) is not module:
+                    sys.modules[name] = module
+            continue
+        current = vars(owner)
+        for name, value in saved.items():
+            if current.get(name, _MISSING) is not value:
+                try:
+                    setattr(owner, name, value)
+                except (AttributeError, TypeError):
+                    pass
+        if is_class:
+            for name in [n for n in current if n not in saved]:
+                try:
+                    delattr(owner, name)
+                except (AttributeError, TypeError):
+                    pass
+
+
+def _exact_tensors(value: Any, where: str) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor:
+            raise TypeError(f"{where} returned a {type(value).__name__}, a subclass of torch.Tensor: "
+                            "return plain tensors")
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _exact_tensors(v, where)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _exact_tensors(v, where)
+
+
+def _checked(fn: Any, name: str, snapshot: list) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _restore(snapshot)
+        _exact_tensors(out, name)
+        return out
+
+    call.__name__ = name
+    return call
+
+
+class _TestCase:
+    """Stands for otter's ``test_case`` decorator in the fresh process (otter itself is not imported
+    there: it takes seconds, and the grading process scores the cases with otter's own rules)."""
+    collected: list = []
+
+    def __init__(self, name: str | None = None, points: Any = None, hidden: bool = False,
+                 success_message: str | None = None, failure_message: str | None = None):
+        self.failure_message = failure_message
+
+    def __call__(self, func: Any) -> Any:
+        _TestCase.collected.append((func, self.failure_message))
+        return func
+
+
+def _load_test_file(path: Path) -> list[tuple[Any, str | None]]:
+    """The test functions of an otter exception-based test file, in order, with its own import of
+    otter's ``test_case`` replaced by :class:`_TestCase`."""
+    tree = ast.parse(path.read_text())
+    tree.body = [s for s in tree.body if not (isinstance(s, ast.ImportFrom) and (s.module or "").startswith("otter"))]
+    _TestCase.collected = []
+    exec(compile(tree, str(path), "exec"), {"__name__": path.stem, "test_case": _TestCase})
+    return list(_TestCase.collected)
+
+
+def _failure(q: str, path: Path, err: BaseException) -> str:
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == str(path)]
+    where = f"Error at line {frames[-1].lineno} in test {q}:\n      {frames[-1].line}\n" if frames else ""
+    return f"❌ Test case failed\n{where}{type(err).__name__}: {err}"
+
+
+def _run(job: dict) -> dict[str, dict[str, Any]]:
+    import capslib.tools.grading as grading
+
+    folder = Path(tempfile.mkdtemp(prefix="capslib-tests-")) / "tests"
+    folder.mkdir()
+    for q, text in job["tests"].items():
+        (folder / f"{q}.py").write_text(text)
+    cases = {q: _load_test_file(folder / f"{q}.py") for q in sorted(job["tests"])}
+    grading.install(job["guard"], tests_dir=str(folder), secret=job["secret"])
+    snapshot = _protected()   # after the guard is in place, before any of the submission runs
+    env: dict[str, Any] = {"__name__": "__submission__"}
+    try:
+        exec(compile(job["source"], "<submission>", "exec"), env)
+    except BaseException as err:   # a definition that fails to run: the tests then find what exists
+        print(f"the submission's definitions failed to load: {err!r}", file=sys.stderr)
+    _restore(snapshot)
+    for name in job["graded"]:
+        if callable(env.get(name)):
+            env[name] = _checked(env[name], name, snapshot)
+    out = {}
+    for q, tests in cases.items():
+        results = []
+        for func, failure_message in tests:
+            import inspect
+            kwargs = {a: env if a == "env" else env.get(a) for a in inspect.signature(func).parameters}
+            try:
+                func(**kwargs)
+                passed, message = True, "✅ Test case passed"
+            except BaseException as err:   # a test fails on any exception, as under otter
+                passed, message = False, _failure(q, folder / f"{q}.py", err)
+                if failure_message:
+                    message += "\n" + failure_message
+            _restore(snapshot)
+            results.append({"passed": passed, "message": message})
+        out[q] = {"cases": results}
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m capslib.tools.grading_fresh JOB.json", file=sys.stderr)
+        return 2
+    results = _run(json.loads(Path(argv[0]).read_text()))
+    sys.stdout.flush()
+    print("\n" + _MARK + json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

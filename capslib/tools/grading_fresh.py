@@ -9,7 +9,8 @@ otter's ``call_func``, rewrite the test files, record a fake result or patch ``a
 2. After otter's run, :func:`extract` takes from those cells only the top-level imports and the
    definitions (functions, classes, assignments to a name) that the tests' parameters reach by name;
    no other top-level statement of the notebook runs.
-3. :func:`grade` starts a fresh Python process (``python -m capslib.tools.grading_fresh``). It writes
+3. A fresh Python process (``python -m capslib.tools.grading_fresh``, started by :func:`start`
+   before the kernel runs so that importing torch overlaps it) gets the job from :func:`grade`. It writes
    the tests to a new private folder and loads them, installs the delegation guard with the zip's
    secret, takes a snapshot of the namespaces the tests rely on (torch's and numpy's comparison helpers
    ``assert_close``, ``equal``, ``allclose``..., ``torch.Tensor``'s methods, ``builtins``, the guard)
@@ -31,6 +32,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,9 +75,24 @@ def extract(cells: Iterable[str], names: Iterable[str]) -> str:
     return ast.unparse(ast.Module(body=[s for s in body if id(s) in keep], type_ignores=[]))
 
 
+def start() -> subprocess.Popen:
+    """Start the fresh process: it imports torch and capslib, then waits for its job on stdin.
+
+    The plugin starts it before the submission's kernel runs, so that the seconds torch takes to
+    import overlap the kernel's work; nothing of the submission reaches it before :func:`grade`.
+    """
+    capslib_parent = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, MPLBACKEND="Agg",
+               PYTHONPATH=os.pathsep.join([capslib_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return subprocess.Popen([sys.executable, "-m", "capslib.tools.grading_fresh"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tempfile.gettempdir(), env=env)
+
+
 def grade(cells: Iterable[str], tests: dict[str, str], guard: Iterable[str], secret: str | None,
-          timeout: float = 600.0) -> dict[str, dict[str, Any]]:
-    """Grade the submitted ``cells`` against ``tests`` (question -> test file text) in a fresh process.
+          timeout: float = 600.0, process: subprocess.Popen | None = None) -> dict[str, dict[str, Any]]:
+    """Grade the submitted ``cells`` against ``tests`` (question -> test file text) in a fresh process
+    (``process``, from :func:`start`, or a new one).
 
     Returns question -> ``{"cases": [{"passed", "message"}, ...]}`` in the test file's order, or, when
     the process failed, ``{"error": reason}`` for every question.
@@ -86,20 +103,15 @@ def grade(cells: Iterable[str], tests: dict[str, str], guard: Iterable[str], sec
     graded = test_parameters(tests)
     job = {"source": extract(cells, graded), "tests": tests, "guard": list(guard), "secret": secret,
            "graded": graded}
-    capslib_parent = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, MPLBACKEND="Agg",
-               PYTHONPATH=os.pathsep.join([capslib_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    with tempfile.TemporaryDirectory(prefix="capslib-fresh-") as work:
-        job_path = Path(work) / "job.json"
-        job_path.write_text(json.dumps(job))
-        try:
-            p = subprocess.run([sys.executable, "-m", "capslib.tools.grading_fresh", str(job_path)],
-                               capture_output=True, text=True, cwd=work, env=env, timeout=timeout)
-            lines = [l for l in p.stdout.splitlines() if l.startswith(_MARK)]
-            failure = None if p.returncode == 0 and lines else \
-                f"exit status {p.returncode}: {(p.stderr or p.stdout)[-2000:]}"
-        except subprocess.TimeoutExpired:
-            failure, lines = f"it ran past {timeout:.0f} s", []
+    p = process if process is not None else start()
+    try:
+        stdout, stderr = p.communicate(json.dumps(job), timeout=timeout)
+        lines = [l for l in stdout.splitlines() if l.startswith(_MARK)]
+        failure = None if p.returncode == 0 and lines else f"exit status {p.returncode}: {(stderr or stdout)[-2000:]}"
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        failure, lines = f"it ran past {timeout:.0f} s", []
     if failure is not None:
         return {q: {"error": f"{q} scores 0: the tests could not run in a fresh process ({failure})"} for q in tests}
     return json.loads(lines[-1][len(_MARK):])
@@ -250,14 +262,19 @@ def _run(job: dict) -> dict[str, dict[str, Any]]:
             _restore(snapshot)
             results.append({"passed": passed, "message": message})
         out[q] = {"cases": results}
+    shutil.rmtree(folder.parent, ignore_errors=True)
     return out
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m capslib.tools.grading_fresh JOB.json", file=sys.stderr)
+    if argv:
+        print("usage: python -m capslib.tools.grading_fresh < JOB (JSON on stdin)", file=sys.stderr)
         return 2
-    results = _run(json.loads(Path(argv[0]).read_text()))
+    import numpy  # noqa: F401  (imported before the job arrives: see start())
+    import torch  # noqa: F401
+
+    import capslib.tools.grading  # noqa: F401
+    results = _run(json.loads(sys.stdin.read()))
     sys.stdout.flush()
     print("\n" + _MARK + json.dumps(results), flush=True)
     return 0

@@ -34,8 +34,8 @@ class NoDelegation(AbstractOtterPlugin):
     (:mod:`capslib.tools.grading_scan`) flags.
 
     ``before_execution`` scans the submission's code cells as submitted (before anything runs), then
-    puts a cell that calls :func:`install` before the submission's first cell; otter's own set-up
-    cell still comes first, so the guard is in place before any student code or ``grader.check``
+    puts a cell that calls :func:`capslib.tools.grading.install` before the submission's first cell;
+    otter's own set-up cell still comes first, so the guard is in place before any student code or ``grader.check``
     runs. ``after_grading`` sets each flagged question to 0 and adds the findings to its report:
 
     * a finding of autograd in a function the assignment forbids it in (``no_autograd``) hits the
@@ -45,8 +45,8 @@ class NoDelegation(AbstractOtterPlugin):
       reaches, and one at top level (a capslib import, ``exec``, patching a module), hits every
       autograded question.
 
-    Configuration beside ``guard`` (written by :func:`build`, from the master): ``allowed_imports``,
-    the capslib import statements the assignment hands out, and ``no_autograd``, the graded
+    Configuration beside ``guard`` (written by :func:`capslib.tools.grading.build`, from the master):
+    ``allowed_imports``, the capslib import statements the assignment hands out, and ``no_autograd``, the graded
     functions whose question forbids autograd.
     """
 
@@ -61,6 +61,7 @@ class NoDelegation(AbstractOtterPlugin):
         # the test files as the zip holds them, read before any of the submission runs (its kernel can
         # rewrite the copies on disk); the fresh-process grading uses these
         self.tests = _read_tests(Path(submission_path).parent / "tests") if submission_path else {}
+        self.process = None   # the fresh grading process, started in before_execution
 
     def scan(self, cells: list[str]) -> None:
         from capslib.tools.grading_scan import scan_cells
@@ -71,6 +72,9 @@ class NoDelegation(AbstractOtterPlugin):
                               if f.kind == "autograd"]
 
     def before_execution(self, submission):
+        if self.tests and self.process is None:
+            from capslib.tools.grading_fresh import start
+            self.process = start()
         source = GUARD_CELL.format(names=list(self.names), secret=self.secret)
         if isinstance(submission, str):
             self.scan([submission])
@@ -106,7 +110,8 @@ class NoDelegation(AbstractOtterPlugin):
 
         from capslib.tools.grading_fresh import grade
 
-        fresh = grade(self.cells, self.tests, self.names, self.secret)
+        fresh = grade(self.cells, self.tests, self.names, self.secret, process=self.process)
+        self.process = None
         new = {}
         for q, text in sorted(self.tests.items()):
             tf = ExceptionTestFile.from_string(text, path=f"tests/{q}.py")

@@ -639,18 +639,28 @@ def my_parse_tree_entropy(codes, predicted, num_classes):
                  "def f(*a):\\n    return g.reference('capslib.rem.parse_tree_entropy')(*a)\\n", "<frozen x>", "exec"), ns)
     return ns["f"](codes, predicted, num_classes)
 """
+_SECOND_COPY = """
+def my_count_parse_trees(codes, predicted, num_classes):
+    import importlib.util, pathlib, torch
+    import capslib
+    spec = importlib.util.spec_from_file_location("capslib.rem_copy", pathlib.Path(capslib.__file__).with_name("rem.py"))
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    return copy.count_parse_trees(codes, predicted, num_classes)
+"""
 _TAMPERS = {"my_quantize": _SUBCLASS_EQUAL, "my_class_codes": _PATCHED_COMPARISONS,
-            "my_parse_tree_entropy": _FORGED_FILENAME}
+            "my_parse_tree_entropy": _FORGED_FILENAME, "my_count_parse_trees": _SECOND_COPY}
 
 
 def test_tampers_score_nothing_in_the_fresh_process(otter_built):
     """Issue 35's tampers that a graded function can do while a test runs it, one per question of the
     assignment graded through otter: a tensor subclass whose ``__torch_function__`` says "equal" (q1),
     comparisons patched from inside the function (q2), code compiled under the forged file name
-    ``"<frozen x>"`` that asks :func:`reference` for the answer (q3). Graded as otter grades, in the
-    submission's own namespace, the first two earn points (the control); graded in the fresh process
-    (what the zip's plugin does) all three score 0 on their question, and the honest q4 keeps its marks.
-    The forged name is refused by the guard in both."""
+    ``"<frozen x>"`` that asks :func:`reference` for the answer (q3), a second copy of ``capslib.rem``
+    loaded from its file under another name (q4). Graded as otter grades, in the submission's own
+    namespace, q1, q2 and q4 earn points (the control); graded in the fresh process (what the zip's
+    plugin does) all four score 0. The forged name is refused by the guard in both. (The honest master
+    keeps its marks through the same plugin in test_otter_grades_the_zip.)"""
     from capslib.tools.grading_fresh import grade
     from capslib.tools.grading_plugin import _read_tests
 
@@ -659,8 +669,9 @@ def test_tampers_score_nothing_in_the_fresh_process(otter_built):
     tests_dir = out / "autograder" / "tests"
     solved = _code_cells(out / "autograder" / master.name)
     cells = [next((t for fn, t in _TAMPERS.items() if c.lstrip().startswith(f"def {fn}(")), c) for c in solved]
-    assert sum(c in _TAMPERS.values() for c in cells) == 3
-    question = {"my_quantize": "q1", "my_class_codes": "q2", "my_parse_tree_entropy": "q3"}
+    assert sum(c in _TAMPERS.values() for c in cells) == 4
+    question = {"my_quantize": "q1", "my_class_codes": "q2", "my_parse_tree_entropy": "q3",
+                "my_count_parse_trees": "q4"}
     assert all(_questions_using(tests_dir, fn) >= {q} for fn, q in question.items())
 
     import torch
@@ -672,16 +683,47 @@ def test_tampers_score_nothing_in_the_fresh_process(otter_built):
             in_kernel = _grade(tests_dir, env)
     finally:
         torch.equal, torch.testing.assert_close = saved
-    assert in_kernel["q1"]["score"] > 0 and in_kernel["q2"]["score"] > 0, in_kernel   # the holes, as they were
+    assert all(in_kernel[q]["score"] > 0 for q in ("q1", "q2", "q4")), in_kernel   # the holes, as they were
     assert in_kernel["q3"]["score"] == 0 and all("DelegationError" in m for m in in_kernel["q3"]["messages"])
 
     fresh = grade(cells, _read_tests(tests_dir), cfg["guard"], "a secret")
     passed = {q: [c["passed"] for c in r["cases"]] for q, r in fresh.items()}
-    for q in ("q1", "q2", "q3"):
+    for q in ("q1", "q2", "q3", "q4"):
         assert not any(passed[q]), (q, fresh[q])
     assert any("subclass of torch.Tensor" in c["message"] for c in fresh["q1"]["cases"]), fresh["q1"]
     assert all("DelegationError" in c["message"] for c in fresh["q3"]["cases"]), fresh["q3"]
-    assert all(passed["q4"]) and passed["q4"], fresh["q4"]
+    assert all("second copy of capslib" in c["message"] for c in fresh["q4"]["cases"]), fresh["q4"]
+
+
+def test_the_fresh_process_wrapper_allows_nested_graded_calls_and_catches_a_copy():
+    """In process (fast): the wrapper the fresh process puts around each graded function lets one graded
+    function call another (a5's em_routing calls its M-step), restores a patched comparison, and fails
+    a call that runs a guarded function from a second copy of its module."""
+    import importlib.util
+    import torch
+    import capslib
+    from capslib.tools.grading_fresh import _checked, _copy_watch, _protected
+
+    with grading.guarded(["capslib.rem.quantize"]):
+        snapshot = _protected()
+        watch = _copy_watch()
+        env: dict = {}
+        exec(compile("import torch\n"
+                     "def my_inner(x):\n    return x + 1\n"
+                     "def my_outer(x):\n    torch.equal = lambda a, b: True\n    return my_inner(x) * 2\n",
+                     "<submission>", "exec"), env)
+        for name in ("my_inner", "my_outer"):
+            env[name] = _checked(env[name], name, snapshot, watch)
+        real_equal = snapshot[[m for m, _, _ in snapshot].index(torch)][1]["equal"]
+        assert torch.equal(env["my_outer"](torch.ones(2)), torch.full((2,), 4.0))
+        assert torch.equal is real_equal and sys.getprofile() is None
+        spec = importlib.util.spec_from_file_location("capslib.rem_copy", Path(capslib.__file__).with_name("rem.py"))
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)
+        sneaky = _checked(lambda c: copy.quantize(c, 3), "my_quantize", snapshot, watch)
+        with pytest.raises(grading.DelegationError, match="second copy of capslib"):
+            sneaky(torch.rand(4))
+        assert sys.getprofile() is None
 
 
 def test_extract_takes_only_what_the_tests_reach():

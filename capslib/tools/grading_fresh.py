@@ -18,8 +18,9 @@ otter's ``call_func``, rewrite the test files, record a fake result or patch ``a
    test files' ``test_case`` decorator is replaced by a stand-in; the grading process scores the
    cases with otter's own rules), so otter's ``call_func`` is not the submission's to replace. Every graded
    function is wrapped: after each call the snapshot is restored (a patch made while it ran is undone
-   before the test compares) and every tensor it returns must be exactly ``torch.Tensor`` (a subclass
-   whose ``__torch_function__`` says "equal" fails the test).
+   before the test compares), every tensor it returns must be exactly ``torch.Tensor`` (a subclass
+   whose ``__torch_function__`` says "equal" fails the test), and a guarded function's code running
+   from a second copy of its capslib module (loaded again from the file under another name) fails it.
 4. The plugin replaces otter's results for every question by these (questions it does not know, e.g.
    a fake ``q9.py`` written during the run, are dropped).
 
@@ -182,12 +183,77 @@ def _exact_tensors(value: Any, where: str) -> None:
             _exact_tensors(v, where)
 
 
-def _checked(fn: Any, name: str, snapshot: list) -> Any:
+def _copy_watch() -> Any:
+    """A profile function that notices a second copy of a guarded capslib function running.
+
+    The guard replaces the code of the guarded functions themselves; a copy of their module loaded
+    again from its file under another name (``importlib.util.spec_from_file_location``) has fresh,
+    unguarded functions. Their code has the file and qualified name of a guarded function but is not
+    its original code (which :func:`reference` runs; the guard's stubs have a file name of their own).
+    """
+    import threading
+
+    import capslib.tools.grading as grading
+
+    guard = grading._GUARD
+    known: dict[tuple[str, str], set[int]] = {}
+    for key, original in guard.originals.items():
+        code = original.__code__
+        known.setdefault((os.path.realpath(code.co_filename), code.co_qualname), set()).add(id(code))
+    real: dict[str, str] = {}
+    seen: list[str] = []
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        filename = real.get(code.co_filename)
+        if filename is None:
+            filename = real[code.co_filename] = os.path.realpath(code.co_filename)
+        ids = known.get((filename, code.co_qualname))
+        if ids is not None and id(code) not in ids:
+            seen.append(code.co_qualname)
+            raise grading.DelegationError(f"{code.co_qualname} ran from a second copy of capslib's "
+                                          f"{Path(filename).name}: it is graded in this assignment")
+
+    depth = [0]   # a graded function may call another (a5's em_routing calls its M-step): one watch
+
+    def install() -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            sys.setprofile(watch)
+            threading.setprofile(watch)
+
+    def remove() -> str | None:
+        """Switch the watch off (the outermost call); what went wrong while it was on (None: nothing)."""
+        depth[0] -= 1
+        changed = sys.getprofile() is not watch
+        if depth[0] > 0:
+            return "the submission switched the grader's profile function off" if changed else None
+        sys.setprofile(None)
+        threading.setprofile(None)
+        if seen:
+            return f"{seen[0]} ran from a second copy of capslib (graded in this assignment)"
+        if changed:
+            return "the submission switched the grader's profile function off"
+        return None
+
+    return install, remove
+
+
+def _checked(fn: Any, name: str, snapshot: list, watch: Any) -> Any:
+    install, remove = watch
+
     def call(*args: Any, **kwargs: Any) -> Any:
+        install()
         try:
             out = fn(*args, **kwargs)
         finally:
+            problem = remove()
             _restore(snapshot)
+        if problem is not None:
+            import capslib.tools.grading as grading
+            raise grading.DelegationError(f"{name}: {problem}")
         _exact_tensors(out, name)
         return out
 
@@ -243,9 +309,10 @@ def _run(job: dict) -> dict[str, dict[str, Any]]:
     except BaseException as err:   # a definition that fails to run: the tests then find what exists
         print(f"the submission's definitions failed to load: {err!r}", file=sys.stderr)
     _restore(snapshot)
+    watch = _copy_watch()
     for name in job["graded"]:
         if callable(env.get(name)):
-            env[name] = _checked(env[name], name, snapshot)
+            env[name] = _checked(env[name], name, snapshot, watch)
     out = {}
     for q, tests in cases.items():
         results = []

@@ -140,6 +140,4 @@ def test_every_claim_has_a_measured_spread_and_its_bound_sits_below_the_worst_ru
 # Empty since 2026-11-23 (morning): chapters 2 and 4, the last two listed, were measured at 1 thread too.
 # make test runs every chapter at 1 thread (two at a time), so a chapter listed here is tested at a thread
 # count its claims were not measured at.
-# 2026-11-27: chapter 6 (its new mechanism cells), measured at 2 threads over seeds 0-4 while the machine was
-# shared with other work; its 1-thread runs were left for a later session.
-TWO_THREADS_ONLY: set[str] = {"06"}
+TWO_THREADS_ONLY: set[str] = set()

@@ -399,3 +399,20 @@ def test_entropy_at_matched_accuracy_reads_each_path_where_both_are_equally_accu
     assert ch06.matched_accuracy([(0.9, 1.0)], [(0.95, 2.0), (0.97, 2.5)])["difference"] is None
     with pytest.raises(ValueError, match="non-empty"):
         ch06.matched_accuracy([], vanilla)
+
+
+def test_class_weights_are_the_weights_as_they_act_and_weight_blocks_counts_them():
+    from types import SimpleNamespace
+    from capslib import pruning
+    S = SimpleNamespace(conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, iterations=2)
+    net = ch06.make_capsnet(S, 0)
+    W = net.digit.W
+    mask = torch.ones_like(W)
+    mask[0] = 0                                          # every block of input capsule 0
+    mask[1, 0] = 0                                       # one block of input capsule 1
+    pruning.set_mask(net.digit, "W", mask)
+    got = ch06.class_weights(net)
+    assert not got.requires_grad and torch.equal(got, net.digit.W_orig.detach() * mask)
+    blocks = ch06.weight_blocks(net)
+    I, J = W.shape[:2]
+    assert blocks["silenced_capsules"] == 1 and blocks["zero_blocks"] == pytest.approx((J + 1) / (I * J))

@@ -363,13 +363,19 @@ def unit_probe(unit) -> dict:
 
 
 @torch.no_grad()
-def weight_blocks(net) -> dict:
-    """The class-capsule weights ``W (I, J, D_out, D_in)`` block by block: the share of blocks W_ij that
-    are entirely zero, and how many input capsules have every block zero (silenced: c_ij = 1/J)."""
+def class_weights(net) -> torch.Tensor:
+    """The class-capsule weights ``W (I, J, D_out, D_in)`` as they act, pruning masks applied."""
     from ..pruning import effective_weight
 
     d = net.digit
-    W = effective_weight(d, "W") if hasattr(d, "W_orig") else d.W
+    return (effective_weight(d, "W") if hasattr(d, "W_orig") else d.W).detach()
+
+
+@torch.no_grad()
+def weight_blocks(net) -> dict:
+    """The class-capsule weights ``W (I, J, D_out, D_in)`` block by block: the share of blocks W_ij that
+    are entirely zero, and how many input capsules have every block zero (silenced: c_ij = 1/J)."""
+    W = class_weights(net)
     zero = W.flatten(2).abs().amax(-1) == 0                   # (I, J)
     return {"zero_blocks": float(zero.float().mean()), "silenced_capsules": int(zero.all(1).sum()),
             "input_capsules": int(W.shape[0])}

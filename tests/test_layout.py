@@ -124,3 +124,64 @@ LIBRARY_FILES = sorted(p for p in PKG.glob("*.py"))
 def test_library_modules_stay_small(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"capslib/{path.name} has {lines} lines; the library keeps a module to {MAX_LINES}"
+
+
+# ----------------------------------------------------------------------------- what the chapters and README say
+
+BOOK_DIR = PKG.parent / "book"
+
+
+def _code_cells(nb_path: Path) -> str:
+    import nbformat
+
+    return "\n".join(c.source for c in nbformat.read(nb_path, as_version=4).cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("nb_path", sorted(BOOK_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_no_chapter_imports_the_commands(nb_path):
+    """Chapters (and the scoreboard) take what they teach from capslib and their plumbing from
+    capslib.book; the commands (capslib.tools) are run, never imported by a page. The assignments,
+    which a grader runs, are not chapters."""
+    code = "\n".join(ln for ln in _code_cells(nb_path).splitlines() if not ln.lstrip().startswith(("%", "!")))
+    found = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    assert not {m for m in found if m == "capslib.tools" or m.startswith("capslib.tools.")}, (nb_path.name, found)
+    assert "capslib.tools" not in code.replace("capslib.tools.", ""), nb_path.name
+
+
+def _readme_layout() -> dict[str, str]:
+    """The README's Layout block, cut into the three rooms' paragraphs."""
+    text = (PKG.parent / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = block.splitlines()
+    start = {key: next(i for i, ln in enumerate(lines) if ln.startswith(prefix))
+             for key, prefix in (("library", "  *.py"), ("book", "  book/"), ("tools", "  tools/"))}
+    end = next(i for i, ln in enumerate(lines) if i > start["tools"] and not ln.startswith(" "))
+    return {"library": "\n".join(lines[start["library"]:start["book"]]),
+            "book": "\n".join(lines[start["book"]:start["tools"]]),
+            "tools": "\n".join(lines[start["tools"]:end])}
+
+
+def test_readme_layout_names_every_module_in_its_room():
+    """Every module of the tree is named in its room's lines of the README's Layout block, and every
+    name listed there as a module exists in that room."""
+    import re
+
+    rooms = _readme_layout()
+    tree = {"library": {p.stem for p in PKG.glob("*.py")} - {"__init__"},
+            "book": {p.stem for p in (PKG / "book").glob("*.py")} - {"__init__"},
+            "tools": {p.stem for p in (PKG / "tools").glob("*.py")} - {"__init__"}}
+    for room, mods in tree.items():
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", rooms[room]))
+        missing = sorted(m for m in mods if m not in words)
+        assert not missing, f"README's Layout does not name {missing} among the {room} modules"
+    # the names the README lists as modules: the library's comma list and aligned column, the tools' list
+    lib_listed = set(re.findall(r"^\s{2,}([a-z_]+)\s{2,}\S", rooms["library"], re.M))
+    lib_listed |= set(re.findall(r"[a-z_]+", rooms["library"].split(":", 1)[1].split(";", 1)[0]))
+    tools_listed = set(re.findall(r"\b[a-z]+_[a-z_]+\b", rooms["tools"]))   # snake_case names: modules
+    assert lib_listed <= tree["library"], sorted(lib_listed - tree["library"])
+    assert tools_listed <= tree["tools"], sorted(tools_listed - tree["tools"])

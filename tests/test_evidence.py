@@ -222,6 +222,9 @@ def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
     assert Equivalence(tight, 0.01).kind == "small"               # resolved, but inside the margin
     assert Equivalence(tight, 0.002).kind == "lower"              # resolved, and outside a small margin
     assert Equivalence(summarise([0.02, 0.021, 0.019]), 0.01).kind == "higher"
+    assert "by more than the margin allows" in Equivalence(tight, 0.002).clause("a", "b")   # wholly beyond it
+    straddles = Equivalence(summarise([-0.46, -0.52, -0.29, -0.16, -0.11]), 0.25)        # resolved; interval across -0.25
+    assert straddles.kind == "lower" and "cannot say" in straddles.clause("a", "b")
     said = e.clause("detached", "full")
     assert said.startswith("is equivalent to full within the margin") and "lower in 3" in said and "±0.010" in said
     with pytest.raises(ValueError, match="margin"):

@@ -416,3 +416,49 @@ def test_class_weights_are_the_weights_as_they_act_and_weight_blocks_counts_them
     blocks = ch06.weight_blocks(net)
     I, J = W.shape[:2]
     assert blocks["silenced_capsules"] == 1 and blocks["zero_blocks"] == pytest.approx((J + 1) / (I * J))
+
+
+def test_world_capsnet_is_a_capsnet_for_rem_and_pruning():
+    """The part-whole world's network: same seed, same weights; its couplings and quantized sweep come
+    from the same routed layer that pruning masks (a weight pruned there changes the votes)."""
+    from capslib.book import ch06
+    from capslib.datasets import Split
+
+    a, b = ch06.WorldCapsNet(5, 3, 4, seed=7), ch06.WorldCapsNet(5, 3, 4, seed=7)
+    assert torch.equal(a.digit.W, b.digit.W) and not torch.equal(a.digit.W, ch06.WorldCapsNet(5, 3, 4, seed=8).digit.W)
+    u = torch.randn(6, 5, 4)
+    lengths = a(u)
+    assert lengths.shape == (6, 3) and torch.allclose(lengths, rem.predict_lengths(a, u))
+    _, u_hat, c = rem.last_couplings(a, u)
+    assert u_hat.shape == (6, 5, 3, 4) and torch.allclose(c.sum(-1), torch.ones(6, 5))
+    params = pruning.prunable(a)
+    assert params == [(a.digit, "W")]
+    mask = torch.ones_like(a.digit.W)
+    mask[0, 1] = 0
+    pruning.set_mask(a.digit, "W", mask)
+    assert torch.count_nonzero(rem.last_couplings(a, u)[1][:, 0, 1]) == 0
+    sweep = rem.level_sweep(a, Split(u, torch.zeros(6, dtype=torch.long)), levels=(5,))
+    assert sweep[5]["codes"].shape == (6, 5)
+
+
+def test_world_compare_branches_from_one_start_at_matched_sparsity():
+    from types import SimpleNamespace
+
+    from capslib.book import ch06
+
+    S = SimpleNamespace(**ch06.WORLD)
+    S.world_train, S.world_val, S.world_test, S.world_epochs, S.world_pretrain = 256, 128, 128, 3, 1
+    S.lobster_decay = 0.99
+    splits = ch06.world_splits(S)
+    assert [len(splits[k]) for k in ("train", "val", "test")] == [256, 128, 128]
+    out = ch06.world_compare(0, S, splits)
+    assert set(out) == set(ch06.WORLD_METHODS)
+    assert out["vanilla"]["sparsity"] == 0.0
+    rem_sp = out[ch06.WORLD_METHODS[1]]["sparsity"]
+    for m in ch06.WORLD_METHODS[2:]:
+        assert abs(out[m]["sparsity"] - rem_sp) < 0.01, (m, out[m]["sparsity"], rem_sp)
+    for m, r in out.items():
+        assert 0.0 <= r["row_entropy"] <= 1.0 and set(S.world_levels) <= set(r)
+        ceiling = math.log2(max(torch.bincount(splits["test"].y).tolist()))
+        assert all(0.0 <= r[K]["entropy"] <= ceiling + 1e-9 for K in S.world_levels), (m, r)
+    assert out == ch06.world_compare(0, S, splits)          # the seed fixes everything

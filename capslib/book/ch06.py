@@ -19,7 +19,17 @@ from . import profiles
 from .units import built_in_float64, cuda_speed_settings, seed_spread, step_summary
 from ..pruning import (LobsterPruner, MagnitudeSchedulePruner, MatchedPruner, prunable, set_mask, snip_masks,
                        sparsity)
-from ..rem import FCOutput, level_sweep, margin_loss_fn, predict_lengths, tree_threshold
+from ..rem import FCOutput, last_couplings, level_sweep, margin_loss_fn, predict_lengths, tree_threshold
+
+# The small world where couplings leave 1/J (world_compare), the same at every profile (seconds on a
+# CPU): chapter 4's part-whole world (parts, wholes, pose dimension, pose noise SD, pose length), its
+# training, validation and test examples, epochs (the first `world_pretrain` a shared start, as in the
+# MNIST run), batch, Adam's learning rate, LOBSTER's lambda, tolerance and search steps (the `ci` MNIST
+# run's: with these sizes the pruning epochs take about as many steps as there), seeds, the levels K measured, and the margin of
+# practical equivalence of two methods' entropies in bits, declared before the runs.
+WORLD = dict(world_parts=8, world_wholes=4, world_dim=4, world_noise=1.0, world_scale=5.0, world_train=1500,
+             world_val=500, world_test=1000, world_epochs=8, world_pretrain=4, world_batch=64, world_lr=0.01,
+             world_lambda=5e-3, world_tolerance=0.02, world_search_steps=7, world_seeds=5, world_levels=(5, 7, 11), world_margin=0.25)
 
 profiles.register(
     "06_rem",
@@ -37,7 +47,7 @@ profiles.register(
             lobster_decay=0.99, lobster_tolerance=0.02, search_steps=7, imp_final_sparsity=0.8,
             lobster_sensitivity="max", imp_matched=True, ablation=True,
             snip_batch=256, fc_conv_channels=16, fc_epochs=4, fc_pretrain_epochs=2, fc_batch_size=64,
-            fc_train_subset=1000, seeds=3),
+            fc_train_subset=1000, seeds=3, **WORLD),
     # The paper's MNIST setting (Sec. 4, App. B): DR-CapsNet of Sabour et al. without
     # decoder, batch 128, Adam with lr decay 0.99 per epoch, K = 11, five seeds; LOBSTER with
     # lambda = 1e-4 (our choice: the paper does not print it) and no loss worsening, trained
@@ -52,7 +62,7 @@ profiles.register(
               lobster_lambda=1e-4, lobster_decay=0.99, lobster_tolerance=0.0, search_steps=12,
               lobster_sensitivity="max", imp_matched=True, ablation=True,
               imp_final_sparsity=0.85, snip_batch=512, fc_conv_channels=256, fc_epochs=15,
-              fc_pretrain_epochs=0, fc_batch_size=128, fc_train_subset=None, seeds=3),
+              fc_pretrain_epochs=0, fc_batch_size=128, fc_train_subset=None, seeds=3, **WORLD),
     paper=dict(epochs=200, seeds=5, fc_epochs=100),
 )
 
@@ -641,3 +651,109 @@ def paper_scale_summary(groups, K: int) -> str:
             f"paper's rule for K (the fewest levels that lose no accuracy) picks K = {rule} here; and at K = {K} its parse-tree entropy is {H.mean:.2f} "
             f"bits, {H.mean / ceiling.mean:.0%} of the ceiling of {ceiling.mean:.2f} bits, with "
             f"{share.mean:.1%} of its couplings rounding to the level of 1/J")
+
+
+# ----------------------------------------------------------------------------- a small world where couplings leave 1/J
+
+WORLD_METHODS = ("vanilla", "REM (LOBSTER)", "MP", WEIGHT_DECAY)
+
+
+class WorldCapsNet(nn.Module):
+    """One routed capsule layer on the part capsules of chapter 4's part-whole world, shaped like
+    the chapter's CapsNet for :mod:`capslib.rem` and :mod:`capslib.pruning`: the primary capsules are
+    the input itself, ``digit`` is a :class:`capslib.layers.DenseCaps` (so pruning masks and the
+    quantized routing apply to it), and there is no decoder. ``forward`` gives the lengths ``(B, J)``."""
+
+    def __init__(self, parts: int, wholes: int, dim: int, iterations: int = 3, seed: int = 0):
+        from ..layers import DenseCaps
+
+        super().__init__()
+        self.primary = nn.Identity()
+        self.digit = DenseCaps(parts, dim, wholes, dim, iterations)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():   # chapter 4's initial scale for this world, from the seed alone
+            self.digit.W.copy_(0.5 / dim ** 0.5 * torch.randn(self.digit.W.shape, generator=g))
+
+    def primary_capsules(self, u: torch.Tensor) -> torch.Tensor:
+        return u
+
+    def encode(self, u: torch.Tensor):
+        return self.digit(u)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.digit(u)[0].norm(dim=-1)
+
+
+def world_splits(S, seed: int = 0) -> dict:
+    """Training, validation and test examples of the part-whole world at ``S``'s sizes, one set of
+    frames (:func:`capslib.book.ch04.part_whole_world`): ``{"train", "val", "test"}`` as Splits."""
+    from ..datasets import Split
+    from .ch04 import part_whole_world
+
+    kw = dict(parts=S.world_parts, wholes=S.world_wholes, dim=S.world_dim, noise=S.world_noise,
+              pose_scale=S.world_scale)
+    u, y, frames = part_whole_world(S.world_train, seed=seed, **kw)
+    out = {"train": Split(u, y)}
+    for k, name in enumerate(("val", "test"), start=1):
+        u, y, _ = part_whole_world(getattr(S, f"world_{name}"), seed=seed + k, frames=frames, **kw)
+        out[name] = Split(u, y)
+    return out
+
+
+@torch.no_grad()
+def world_measure(net: nn.Module, test, levels: Sequence[int]) -> dict:
+    """Accuracy, the couplings' mean row entropy over ``ln J``, the norm of the routed layer's weights
+    as they act (pruned ones at zero) and, for each ``K``, the parse-tree entropy (plug-in and
+    Miller-Madow, bits), keys and quantized accuracy of ``net`` on ``test``."""
+    import math
+
+    sweep = level_sweep(net, test, levels)
+    _, _, c = last_couplings(net, test.x)
+    row = float(-(c * c.clamp_min(1e-30).log()).sum(-1).mean()) / math.log(c.shape[-1])
+    from ..pruning import effective_weight
+
+    w = effective_weight(net.digit, "W") if hasattr(net.digit, "W_mask") else net.digit.W
+    out = {"accuracy": sweep["float"]["accuracy"], "row_entropy": row, "weight_norm": float(w.norm())}
+    for K in levels:
+        out[K] = {k: sweep[K][k] for k in ("entropy", "entropy_mm", "keys", "accuracy")}
+    return out
+
+
+def world_compare(seed: int, S, splits: dict) -> dict:
+    """Chapter 6's comparison in the part-whole world for one seed: a shared start of
+    ``S.world_pretrain`` epochs, then vanilla, REM (LOBSTER with the MNIST run's gate and lambda),
+    MP (magnitude pruning to REM's sparsity after each epoch) and weight decay (LOBSTER's shrinkage
+    without its gate, at the same sparsities), each for the remaining epochs; the seed fixes the
+    initial weights and the minibatch order. No checkpoints: a run takes about a second.
+
+    Returns ``{method: world_measure(...) + {"sparsity"}}`` for the methods of :data:`WORLD_METHODS`."""
+    import copy
+
+    from .. import train as _train
+    from ..pruning import sparsity as _sparsity
+
+    kw = dict(batch_size=S.world_batch, lr=S.world_lr, seed=seed, progress=False, predict=predict_lengths)
+    rest = S.world_epochs - S.world_pretrain
+    start = WorldCapsNet(S.world_parts, S.world_wholes, S.world_dim, seed=seed)
+    _train.fit(start, splits["train"], margin_loss_fn, epochs=S.world_pretrain, **kw)
+    out = {}
+
+    def branch(method, pruner_for=None):
+        net = copy.deepcopy(start)
+        pruner = pruner_for(prunable(net)) if pruner_for else None
+        hist = _train.fit(net, splits["train"], margin_loss_fn, epochs=rest,
+                          before_step=getattr(pruner, "before_step", None),
+                          on_epoch_end=getattr(pruner, "on_epoch_end", None), **kw)
+        out[method] = world_measure(net, splits["test"], S.world_levels)
+        out[method]["sparsity"] = _sparsity(pruner.params) if pruner else 0.0
+        return hist
+
+    branch(WORLD_METHODS[0])
+    h = branch(WORLD_METHODS[1], lambda w: LobsterPruner(w, splits["val"], lam=S.world_lambda, decay=S.lobster_decay,
+                                                          tolerance=S.world_tolerance, steps=S.world_search_steps,
+                                                          sensitivity="max"))
+    path = list(h.get("sparsity", [])) or [0.0]
+    branch(WORLD_METHODS[2], lambda w: MatchedPruner(w, path, lam=0.0))
+    branch(WORLD_METHODS[3], lambda w: MatchedPruner(w, path, lam=S.world_lambda, decay=S.lobster_decay,
+                                                     sensitivity="none"))
+    return out

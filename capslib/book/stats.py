@@ -206,7 +206,9 @@ class Equivalence:
 
     - ``"equivalent"``: inside the margin, and no difference resolved;
     - ``"small"``: a difference resolved, but inside the margin (different, not in practice);
-    - ``"higher"`` / ``"lower"``: a difference resolved that the margin does not contain;
+    - ``"higher"`` / ``"lower"``: a difference resolved that the margin does not contain (the
+      sentence of :meth:`clause` says "by more than the margin" only when the whole interval lies
+      beyond it);
     - ``"unsettled"``: neither: the interval is too wide for this margin and these seeds.
     """
     d: Summary
@@ -266,7 +268,9 @@ class Equivalence:
         ref = ref_words or ref
         said = {"equivalent": f"is equivalent to {ref} within the margin",
                 "small": f"is {'higher' if self.d.mean > 0 else 'lower'} than {ref}, by less than the margin",
-                "higher": f"is higher than {ref}, by more than the margin allows",
-                "lower": f"is lower than {ref}, by more than the margin allows",
+                "higher": f"is higher than {ref}, by more than the margin allows" if lo > self.margin else
+                          f"is higher than {ref}; whether by more than the margin, these seeds cannot say",
+                "lower": f"is lower than {ref}, by more than the margin allows" if hi < -self.margin else
+                         f"is lower than {ref}; whether by more than the margin, these seeds cannot say",
                 "unsettled": f"cannot be told from {ref} or called equivalent with these seeds"}[self.kind]
         return f"{said} ({numbers})"

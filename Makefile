@@ -12,6 +12,7 @@
 #   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
 #   make assignments  per otter-grader master in book/assignments/: the student notebook and the autograder zip
 #   make book-student the HTML book without exercise solutions (_build/student/_build/html)
+#   make ta-export  the hand-graded answers of a class's submissions as HTML pages for TAs (_build/ta)
 #   make spread     re-measure every claim on a trained number over seeds and thread counts (about 75 min)
 #   make lock       re-resolve requirements.txt into requirements.lock in a clean venv
 #   make units      every experiment unit (paper scale in short GPU jobs): missing / done / stale
@@ -33,7 +34,7 @@ TEST_THREADS ?= 1
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: gpu-data units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce paper-scale smoke data assignments book-student student-check compare-student clean venv lock spread
+.PHONY: ta-export gpu-data units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce paper-scale smoke data assignments book-student student-check compare-student clean venv lock spread
 
 # The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
 # bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
@@ -166,6 +167,11 @@ units: $(STAMP)
 # per master: _build/assignments/<name>/student/ (hand out) and autograder/<name>-autograder.zip
 # (otter run or Gradescope; capslib travels inside it). GRADING_SECRET=... seeds the hidden tests'
 # inputs (kept out of the command line's echo); unset, each zip gets a fresh random secret
+# make ta-export SUBMISSIONS="<folders, notebooks or otter zips>" [OUT=_build/ta] [ANONYMOUS=1]: the
+# hand-graded questions of every submission as HTML pages for teaching assistants (capslib.tools.ta_export)
+ta-export: $(STAMP)
+	$(PY) -m capslib.tools.ta_export $(SUBMISSIONS) --out $(or $(OUT),_build/ta) $(if $(ANONYMOUS),--anonymous)
+
 assignments: $(STAMP)
 	@echo "$(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments"
 	@GRADING_SECRET='$(GRADING_SECRET)' $(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments

@@ -33,6 +33,9 @@ SIZES: dict[str, dict[str, dict]] = {
         # the network's widths (each variant trains this network on the same digits and seeds).
         # ablation_*: Sabour's Table 1 as an ablation (routing iterations {1, 3} x reconstruction
         # {off, on}): training digits per seed (None = all), epochs, batch, seeds and the network's widths.
+        # shift_*: the paper's training augmentation (every digit moved by up to shift_max px each way) as a
+        # study on the ablation's network: training digits per seed (None = all), epochs, seeds, the largest
+        # shift, and the margin of practical equivalence of two test accuracies, declared before the runs.
         # multimnist_*: generated MultiMNIST pairs for training and testing (capslib.multimnist), epochs and
         # batch; the network is the ablation's (the paper's at full). The paper trained on 60M pairs, generated
         # 1,000 per training digit: that needs generation on the fly, which capslib.multimnist does not do.
@@ -46,7 +49,8 @@ SIZES: dict[str, dict[str, dict]] = {
                    pitfall_conv_channels=16, pitfall_primary_types=4, pitfall_decoder=(64,),
                    ablation_train=800, ablation_epochs=2, ablation_batch_size=32, ablation_seeds=3,
                    ablation_conv_channels=16, ablation_primary_types=4, ablation_decoder=(128, 256),
-                   multimnist_train=1500, multimnist_test=500, multimnist_epochs=2, multimnist_batch_size=32),
+                   multimnist_train=1500, multimnist_test=500, multimnist_epochs=2, multimnist_batch_size=32,
+                   shift_train=800, shift_epochs=4, shift_seeds=3, shift_max=2, shift_margin=0.02),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                      decoder=(512, 1024), iterations=3, epochs=50, batch_size=128, lr=1e-3, lr_decay=0.96,
                      expanded_epochs=10, expanded_batch_size=128, expanded_primary_stride=2, expanded_train=None,
@@ -58,7 +62,8 @@ SIZES: dict[str, dict[str, dict]] = {
                      ablation_train=None, ablation_epochs=8, ablation_batch_size=128, ablation_seeds=3,
                      ablation_conv_channels=256, ablation_primary_types=32, ablation_decoder=(512, 1024),
                      multimnist_train=200_000, multimnist_test=10_000, multimnist_epochs=10,
-                     multimnist_batch_size=128),
+                     multimnist_batch_size=128,
+                     shift_train=None, shift_epochs=8, shift_seeds=3, shift_max=2, shift_margin=0.002),
         # `full` fits one H100 in about 7 minutes (capslib.tools.bench: 17k images/s for the 28x28 CapsNet,
         # 9.5k for the 40x40 one, bf16 eager); CAPSBOOK_PAPER_SCHEDULE=1 restores the longer schedule.
         "paper": dict(expanded_epochs=30, compare_seeds=5, ablation_epochs=50),

@@ -132,8 +132,9 @@ def lobster_sensitivity(grad: torch.Tensor, kind: str | None = "max") -> torch.T
     ``|dL/dp|`` is about 1e-2, so the gate is about 1 for every weight and the step is plain
     weight decay. ``"max"``: ``|dL/dp|`` divided by the largest ``|dL/dp|`` of the same tensor,
     so ``S`` lies in ``[0, 1]`` whatever the loss's scale: the most sensitive weight of each
-    tensor is left alone and the rest shrink in proportion to ``1 - S`` (the book's choice; no
-    new hyperparameter, and the gate never clips). ``"none"``: ``S = 0``, the gate is 1,
+    tensor is left alone and the rest shrink in proportion to ``1 - S`` (the rescaling of the
+    public LOBSTER code of EIDOSLab, the REM authors' lab, its ``rescaled`` option; the papers do
+    not print it; no new hyperparameter, and the gate never clips). ``"none"``: ``S = 0``, the gate is 1,
     i.e. plain weight decay (the ablation)."""
     if kind in (None, "raw"):
         return grad.abs()

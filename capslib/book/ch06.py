@@ -707,11 +707,11 @@ def world_measure(net: nn.Module, test, levels: Sequence[int]) -> dict:
     Miller-Madow, bits), keys and quantized accuracy of ``net`` on ``test``."""
     import math
 
+    from ..pruning import effective_weight
+
     sweep = level_sweep(net, test, levels)
     _, _, c = last_couplings(net, test.x)
     row = float(-(c * c.clamp_min(1e-30).log()).sum(-1).mean()) / math.log(c.shape[-1])
-    from ..pruning import effective_weight
-
     w = effective_weight(net.digit, "W") if hasattr(net.digit, "W_mask") else net.digit.W
     out = {"accuracy": sweep["float"]["accuracy"], "row_entropy": row, "weight_norm": float(w.norm())}
     for K in levels:

@@ -418,17 +418,23 @@ def test_class_weights_are_the_weights_as_they_act_and_weight_blocks_counts_them
     assert blocks["silenced_capsules"] == 1 and blocks["zero_blocks"] == pytest.approx((J + 1) / (I * J))
 
 
-def test_world_capsnet_is_a_capsnet_for_rem_and_pruning():
-    """The part-whole world's network: same seed, same weights; its couplings and quantized sweep come
-    from the same routed layer that pruning masks (a weight pruned there changes the votes)."""
-    from capslib.book import ch06
+def test_part_whole_network_is_a_capsnet_for_rem_and_pruning():
+    """Chapter 4's part-whole network, which chapter 6 prunes: same seed, same weights, and the global
+    random state untouched; its couplings and quantized sweep come from the same routed layer that
+    pruning masks (a weight pruned there changes the votes)."""
+    from capslib.book.ch04 import PartWholeCaps
     from capslib.datasets import Split
 
-    a, b = ch06.WorldCapsNet(5, 3, 4, seed=7), ch06.WorldCapsNet(5, 3, 4, seed=7)
-    assert torch.equal(a.digit.W, b.digit.W) and not torch.equal(a.digit.W, ch06.WorldCapsNet(5, 3, 4, seed=8).digit.W)
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    a, b = PartWholeCaps(5, 3, 4, seed=7), PartWholeCaps(5, 3, 4, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(a.digit.W, b.digit.W) and not torch.equal(a.digit.W, PartWholeCaps(5, 3, 4, seed=8).digit.W)
     u = torch.randn(6, 5, 4)
-    lengths = a(u)
-    assert lengths.shape == (6, 3) and torch.allclose(lengths, rem.predict_lengths(a, u))
+    v, c = a(u)
+    assert v.shape == (6, 3, 4) and c.shape == (6, 5, 3)
+    assert torch.allclose(v.norm(dim=-1), rem.predict_lengths(a, u))
+    assert torch.allclose(a(u, 1)[1], torch.full((6, 5, 3), 1 / 3))     # one iteration: uniform couplings
     _, u_hat, c = rem.last_couplings(a, u)
     assert u_hat.shape == (6, 5, 3, 4) and torch.allclose(c.sum(-1), torch.ones(6, 5))
     params = pruning.prunable(a)

@@ -905,20 +905,43 @@ def part_whole_world(n: int, parts: int = 12, wholes: int = 4, dim: int = 4, noi
 
 class PartWholeCaps(torch.nn.Module):
     """One capsule layer on given part capsules: votes ``W_ij u_i`` and dynamic routing (``iterations``,
-    ``detach`` as in :func:`capslib.dynamic_routing`); the class is the longest output capsule."""
+    ``detach`` as in :func:`capslib.dynamic_routing`); the class is the longest output capsule.
+
+    Shaped like the book's CapsNet, so that :mod:`capslib.rem` and :mod:`capslib.pruning` take it as they
+    are (chapter 6 prunes it): the routed layer is ``digit``, a :class:`capslib.layers.DenseCaps` (pruning
+    masks and a swapped ``routing_fn`` act on it), the primary capsules are the input itself, there is no
+    decoder. The initial weights come from ``seed`` alone; the global random state is left as it was."""
 
     def __init__(self, parts: int, wholes: int, dim: int, iterations: int = 3, detach: bool = False, seed: int = 0):
+        from ..layers import DenseCaps
+
         super().__init__()
+        self.primary = torch.nn.Identity()
+        with torch.random.fork_rng(devices=[]):   # DenseCaps draws its own initial W; this one replaces it
+            self.digit = DenseCaps(parts, dim, wholes, dim, iterations, detach)
         g = torch.Generator().manual_seed(seed)
-        self.W = torch.nn.Parameter(0.5 * torch.randn(parts, wholes, dim, dim, generator=g) / dim ** 0.5)
-        self.iterations, self.detach = iterations, detach
+        with torch.no_grad():
+            self.digit.W.copy_(0.5 * torch.randn(parts, wholes, dim, dim, generator=g) / dim ** 0.5)
+
+    @property
+    def iterations(self) -> int:
+        return self.digit.iterations
+
+    @property
+    def detach(self) -> bool:
+        return self.digit.detach
+
+    def primary_capsules(self, u: torch.Tensor) -> torch.Tensor:
+        return u
 
     def votes(self, u: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("ijpq,niq->nijp", self.W, u)
+        return self.digit.votes(u)
+
+    def encode(self, u: torch.Tensor):
+        return self.digit(u)
 
     def forward(self, u: torch.Tensor, iterations: int | None = None):
-        from ..routing import dynamic_routing
-        return dynamic_routing(self.votes(u), iterations or self.iterations, detach=self.detach)
+        return self.digit.routing_fn(self.votes(u), iterations or self.digit.iterations, self.digit.detach)
 
 
 def train_part_whole(variant: str, u, y, epochs: int, seed: int, lr: float = 0.01, batch: int = 64) -> PartWholeCaps:

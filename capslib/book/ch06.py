@@ -658,32 +658,6 @@ def paper_scale_summary(groups, K: int) -> str:
 WORLD_METHODS = ("vanilla", "REM (LOBSTER)", "MP", WEIGHT_DECAY)
 
 
-class WorldCapsNet(nn.Module):
-    """One routed capsule layer on the part capsules of chapter 4's part-whole world, shaped like
-    the chapter's CapsNet for :mod:`capslib.rem` and :mod:`capslib.pruning`: the primary capsules are
-    the input itself, ``digit`` is a :class:`capslib.layers.DenseCaps` (so pruning masks and the
-    quantized routing apply to it), and there is no decoder. ``forward`` gives the lengths ``(B, J)``."""
-
-    def __init__(self, parts: int, wholes: int, dim: int, iterations: int = 3, seed: int = 0):
-        from ..layers import DenseCaps
-
-        super().__init__()
-        self.primary = nn.Identity()
-        self.digit = DenseCaps(parts, dim, wholes, dim, iterations)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():   # chapter 4's initial scale for this world, from the seed alone
-            self.digit.W.copy_(0.5 / dim ** 0.5 * torch.randn(self.digit.W.shape, generator=g))
-
-    def primary_capsules(self, u: torch.Tensor) -> torch.Tensor:
-        return u
-
-    def encode(self, u: torch.Tensor):
-        return self.digit(u)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return self.digit(u)[0].norm(dim=-1)
-
-
 def world_splits(S, seed: int = 0) -> dict:
     """Training, validation and test examples of the part-whole world at ``S``'s sizes, one set of
     frames (:func:`capslib.book.ch04.part_whole_world`): ``{"train", "val", "test"}`` as Splits."""
@@ -734,7 +708,9 @@ def world_compare(seed: int, S, splits: dict) -> dict:
 
     kw = dict(batch_size=S.world_batch, lr=S.world_lr, seed=seed, progress=False, predict=predict_lengths)
     rest = S.world_epochs - S.world_pretrain
-    start = WorldCapsNet(S.world_parts, S.world_wholes, S.world_dim, seed=seed)
+    from .ch04 import PartWholeCaps
+
+    start = PartWholeCaps(S.world_parts, S.world_wholes, S.world_dim, seed=seed)
     _train.fit(start, splits["train"], margin_loss_fn, epochs=S.world_pretrain, **kw)
     out = {}
 

@@ -64,8 +64,9 @@ SIZES: dict[str, dict[str, dict]] = {
                      multimnist_train=200_000, multimnist_test=10_000, multimnist_epochs=10,
                      multimnist_batch_size=128,
                      shift_train=None, shift_epochs=8, shift_seeds=3, shift_max=2, shift_margin=0.002),
-        # `full` fits one H100 in about 7 minutes (capslib.tools.bench: 17k images/s for the 28x28 CapsNet,
-        # 9.5k for the 40x40 one, bf16 eager); CAPSBOOK_PAPER_SCHEDULE=1 restores the longer schedule.
+        # `full` fits one H100 in about 10 minutes, the shift study's 6 trainings about 3 of them
+        # (capslib.tools.bench: 17k images/s for the 28x28 CapsNet, 9.5k for the 40x40 one, bf16 eager);
+        # CAPSBOOK_PAPER_SCHEDULE=1 restores the longer schedule.
         "paper": dict(expanded_epochs=30, compare_seeds=5, ablation_epochs=50),
     },
 }

@@ -18,7 +18,7 @@ def test_every_unit_is_declared_and_projected_within_eight_minutes():
     assert len(u5) == (1 + len(ch05.UNIT_STUDY_SCHEDULES) * len(ch05.UNIT_ITERATIONS)) * len(ch05.UNIT_SEEDS)
     assert {f"05/iterations/{s}/T{T}/s{k}" for s in ("authors", "constant") for T in (1, 2, 3) for k in (0, 1, 2)} <= keys5
     assert {"05/main/s0", "05/main/s1", "05/main/s2"} <= keys5
-    assert keys7 == {f"07/experts/{v}/s{k}" for v in ("hauser", "centred", "sparsity") for k in (0, 1, 2)}
+    assert keys7 == {f"07/experts/{v}/s{k}" for v in ("hauser", "centred", "sparsity", "both") for k in (0, 1, 2)}
     for u in u5 + u7:
         assert U.projected_seconds(u) <= 8 * 60, u.key
     for u in u5:
@@ -77,6 +77,9 @@ def test_probes_see_what_each_unit_computes():
     assert q["hauser"]["delta_U"] == q["sparsity"]["delta_U"]                 # the sparsity term acts on W only
     assert not math.isclose(q["hauser"]["delta_W"], q["sparsity"]["delta_W"], rel_tol=1e-3)
     assert not math.isclose(q["hauser"]["delta_W"], q["centred"]["delta_W"], rel_tol=1e-3)
+    for other in ("centred", "sparsity"):                                    # both: centring and the sparsity term
+        assert not math.isclose(q["both"]["delta_W"], q[other]["delta_W"], rel_tol=1e-3)
+    assert q["both"]["delta_U"] == q["centred"]["delta_U"]                    # U sees the centred capsules
     assert U.fingerprint(U.get("07/experts/hauser/s0")) != U.fingerprint(U.get("07/experts/centred/s0"))
 
 
@@ -85,7 +88,7 @@ def smoke_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("units0507")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(U, "RESULTS_ROOT", root)
-        for key in ("05/main/s0", "07/experts/centred/s0"):
+        for key in ("05/main/s0", "07/experts/both/s0"):
             U.execute(U.get(key), device="cpu", smoke=True)
     return root
 
@@ -129,7 +132,7 @@ def test_chapter7_views_from_a_smoke_result(smoke_root, monkeypatch):
     import matplotlib.pyplot as plt
 
     monkeypatch.setattr(U, "RESULTS_ROOT", smoke_root)
-    st, res = U.state(U.get("07/experts/centred/s0"), smoke=True)
+    st, res = U.state(U.get("07/experts/both/s0"), smoke=True)
     assert st == "done" and res["smoke"]
     m = res["metrics"]
     J, n = ch07.UNIT_SCHEDULE["out_caps"], ch07.UNIT_SMOKE["purity_samples"]
@@ -137,14 +140,36 @@ def test_chapter7_views_from_a_smoke_result(smoke_root, monkeypatch):
     assert len(p["per_capsule"]) == len(p["majority"]) == J and p["samples_per_capsule"] == n
     assert all(1 / 10 <= q <= 1 for q in p["per_capsule"]) and 1 <= p["distinct_classes"] <= 10
     assert 0 <= m["readout"]["capsules"] <= 1 and 0 <= m["collapse"]["resultant_min"] <= 1 + 1e-6
+    r = m["division"]                                  # each training digit given to the expert that fires most for it
+    assert 1 <= r["experts"] <= J and len(r["majority"]) == J and 0 < r["shuffled"] <= r["purity"] + 0.2 and r["purity"] <= 1
     assert len(res["history"]["cd_reconstruction"]) == ch07.UNIT_SMOKE["cd_epochs"]
     samples = U.decode_array(res["arrays"]["samples"])
     assert samples.shape == (J, ch07.UNIT_SMOKE["shown_samples"], 28, 28) and samples.dtype == np.uint8
     groups = ch07.experts_groups(smoke=True)
     frame = ch07.experts_frame(groups)
-    assert frame.loc["centred inputs", "class purity"] == f"{p['mean']:.3f}" and frame.loc["centred inputs", "seeds"] == 1
+    row = ch07.VARIANT_LABELS["both"]
+    assert frame.loc[row, "class purity"] == f"{p['mean']:.3f}" and frame.loc[row, "seeds"] == 1
+    assert frame.loc[row, "winner purity"] == f"{r['purity']:.3f}"
     assert frame.loc["sparsity term", "class purity"] == "not yet run"
     assert "1 of 3 seeds run" in U.banner(groups)
-    figs = [ch07.draw_samples(groups[1].results[0]), ch07.draw_purity(groups)]
+    figs = [ch07.draw_samples(groups[3].results[0]), ch07.draw_purity(groups)]
     assert all(f.axes for f in figs)
     plt.close("all")
+
+
+def test_division_of_labour_reads_the_partition_of_the_winning_experts():
+    # three experts; expert 0 wins the 0s and 1s, expert 2 the 2s, expert 1 nothing
+    labels = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])
+    lengths = torch.full((8, 3), 0.1)
+    lengths[:4, 0] = 0.9
+    lengths[4:, 2] = 0.8
+    d = ch07.division_of_labour(lengths, labels, shuffles=50)
+    assert d["winner"].tolist() == [0, 0, 0, 0, 2, 2, 2, 2] and d["experts"] == 2
+    assert d["purity"] == pytest.approx((3 + 4) / 8) and d["majority"] == [0, -1, 2]
+    assert d["shuffled"] < d["purity"]                   # shuffled labels mix the two groups
+    one = ch07.division_of_labour(torch.ones(8, 3) * torch.tensor([0.1, 0.9, 0.2]), labels, shuffles=5)
+    assert one["experts"] == 1 and one["purity"] == pytest.approx(4 / 8) == pytest.approx(one["shuffled"])
+    with pytest.raises(ValueError, match="lengths must be"):
+        ch07.division_of_labour(lengths, labels[:3])
+    with pytest.raises(ValueError, match="shuffles"):
+        ch07.division_of_labour(lengths, labels, shuffles=0)

@@ -13,7 +13,11 @@ CHAPTER = "07_products_of_expert_capsules"
 # on a single GPU"); the full schedule below is ours and says so in the chapter.
 # `seeds`: how many draws of W and U (CD-1 and decoder stages) run on the one trained autoencoder.
 # `control_*`, `sparsity_*`: the controls of the collapse (centring, shrinkage, a sparsity term): how many
-# seeds and training capsules they use, and the sparsity term's weight and target firing probability.
+# seeds and training capsules they use, and the sparsity term's weight and target firing probability (the
+# uncentred run and the centred run with the sparsity term go over every seed). `label_shuffles`: how many
+# shufflings of the labels give the chance level of the division of labour (:func:`division_of_labour`);
+# `specialise_margin`: the margin of practical equivalence for a difference of two winner purities, declared
+# before the runs of the chapter's controls.
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", channels=32, kernel=9, capsule_dim=8, out_caps=20, out_dim=16,
@@ -21,13 +25,15 @@ profiles.register(
             cd_epochs=3, cd_lr=0.05, cd_momentum=0.9, cd_decay=0.9, cd_l2=1e-4, cd_batch=50,
             dec_epochs=2, dec_lr=0.05, init_std=0.01, samples=4, purity_samples=20,
             classifier_epochs=1, classifier_subset=2000, seeds=3,
-            control_subset=1000, control_seeds=1, sparsity_strength=100.0, sparsity_target=0.1),
+            control_subset=1000, control_seeds=1, sparsity_strength=100.0, sparsity_target=0.1,
+            label_shuffles=100, specialise_margin=0.1),
     full=dict(dataset="mnist", channels=128, kernel=9, capsule_dim=8, out_caps=20, out_dim=16,
               iterations=3, dropout=0.1, ae_epochs=20, ae_lr=1e-3, ae_batch=128, unsupervised_subset=None,
               cd_epochs=30, cd_lr=0.05, cd_momentum=0.9, cd_decay=0.95, cd_l2=1e-4, cd_batch=128,
               dec_epochs=30, dec_lr=0.05, init_std=0.01, samples=4, purity_samples=500,
               classifier_epochs=10, classifier_subset=None, seeds=5,
-              control_subset=None, control_seeds=5, sparsity_strength=100.0, sparsity_target=0.1),
+              control_subset=None, control_seeds=5, sparsity_strength=100.0, sparsity_target=0.1,
+              label_shuffles=100, specialise_margin=0.1),
 )
 
 
@@ -43,10 +49,12 @@ profiles.register(
 #   the mean pattern);
 # - ``centred``: the input capsules minus their mean over the training digits (U reconstructs the centred
 #   capsules; the mean is added back before the transposed convolutions);
-# - ``sparsity``: the input capsules as they come, with the sparsity term added to every CD-1 update.
+# - ``sparsity``: the input capsules as they come, with the sparsity term added to every CD-1 update;
+# - ``both``: the centred input capsules with the sparsity term (the chapter's controls: the experts specialise).
 #
 # Measured: the autoencoder's test error; the experts' firing probability and mean resultant length (the
-# collapse); a linear read-out of the test labels from the 20 output capsules, from the input capsules, and
+# collapse); the division of labour (:func:`division_of_labour`: each training digit given to the expert that
+# fires most for it); a linear read-out of the test labels from the 20 output capsules, from the input capsules, and
 # from a random W of the trained W's norm; the reconstruction error through the capsules and U; generated
 # images per capsule (restricted domain) and their class purity and distinct majority classes under a
 # CapsNet classifier of chapter 2 trained inside the unit; the first samples per capsule as a figure.
@@ -70,18 +78,20 @@ _FULL = profiles.SIZES[CHAPTER]["full"]
 UNIT_FAMILY = "poe-pipeline"
 # ``version`` counts changes to what the units' ``run`` does that the probe cannot see (bump it with such
 # a change: every chapter-7 result then reads stale).
-UNIT_SCHEDULE = dict(version=1, dataset="mnist", split_seed=0, train_images=55_000,
+UNIT_SCHEDULE = dict(version=2, dataset="mnist", split_seed=0, train_images=55_000,
                      ae_epochs=10, cd_epochs=15, dec_epochs=15, classifier_epochs=2,
                      full_epochs=dict(ae=_FULL["ae_epochs"], cd=_FULL["cd_epochs"], dec=_FULL["dec_epochs"]),
                      **{k: _FULL[k] for k in ("channels", "kernel", "capsule_dim", "out_caps", "out_dim", "iterations",
                                               "dropout", "ae_lr", "ae_batch", "cd_lr", "cd_momentum", "cd_decay",
                                               "cd_l2", "cd_batch", "dec_lr", "init_std", "purity_samples",
-                                              "sparsity_strength", "sparsity_target")},
+                                              "sparsity_strength", "sparsity_target", "label_shuffles")},
                      classifier=dict(conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
                                      decoder=[512, 1024], iterations=3, batch_size=128, lr=1e-3),
                      readout_ridge=1e-2, shown_samples=6, chunk=1000,
                      precision="float32, TF32 products and convolutions")
-UNIT_VARIANTS = ("hauser", "centred", "sparsity")
+UNIT_VARIANTS = ("hauser", "centred", "sparsity", "both")
+CENTRED = ("centred", "both")
+SPARSE = ("sparsity", "both")
 UNIT_SEEDS = (0, 1, 2)
 UNIT_SMOKE = dict(dataset="embedded", train=256, test=100, channels=8, ae_epochs=1, cd_epochs=1, dec_epochs=1,
                   classifier_epochs=1, purity_samples=10, shown_samples=2,
@@ -96,7 +106,7 @@ def _sizes(unit: Unit, smoke: bool) -> dict:
 
 def _prepared(unit: Unit, X: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """What W's training sees of the input capsules ``X``: centred for the ``centred`` variant."""
-    return X - mean if unit.config["variant"] == "centred" else X
+    return X - mean if unit.config["variant"] in CENTRED else X
 
 
 def _cd_kwargs(cfg: dict) -> dict:
@@ -126,7 +136,7 @@ def unit_probe(unit: Unit) -> dict:
         Xv = _prepared(unit, X, X.mean(0))
         r = poe.cd1(model.W, Xv, cfg["iterations"])
         delta = r.delta
-        if cfg["variant"] == "sparsity":
+        if cfg["variant"] in SPARSE:
             delta = delta + cfg["sparsity_strength"] * poe.sparsity_term(model.W, Xv, r.c, cfg["sparsity_target"])
         out["delta_W"] = delta.norm().item()
         out["delta_U"] = poe.decoder_gradient(model.U, r.y, Xv, cfg["iterations"]).norm().item()
@@ -204,7 +214,7 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     gW = torch.Generator().manual_seed(unit.seed)
     W = (cfg["init_std"] * torch.randn(model.W.shape, generator=gW)).to(device)
     U = (cfg["init_std"] * torch.randn(model.U.shape, generator=gW)).to(device)
-    sparsity = (cfg["sparsity_strength"], cfg["sparsity_target"]) if cfg["variant"] == "sparsity" else None
+    sparsity = (cfg["sparsity_strength"], cfg["sparsity_target"]) if cfg["variant"] in SPARSE else None
     cd = poe_models.train_weights(W, Xv_tr, epochs=cfg["cd_epochs"], generator=torch.Generator().manual_seed(unit.seed),
                                   sparsity=sparsity, **_cd_kwargs(cfg))
     history.update({f"cd_{k}": v for k, v in cd.items()})
@@ -223,12 +233,14 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     metrics["collapse"] = {"firing_mean": float(lengths.mean()), "firing_per_capsule": lengths.mean(0).tolist(),
                            "resultant_min": float(resultant.min()), "resultant_mean": float(resultant.mean()),
                            "resultant_per_capsule": resultant.tolist(), "weight_norm": float(W.norm())}
+    labour = division_of_labour(lengths, tr.y, shuffles=cfg["label_shuffles"])
+    metrics["division"] = {k: v for k, v in labour.items() if k != "winner"}
     metrics["readout"] = {
         "capsules": _readout(Y_tr.flatten(1), tr.y, Y_te.flatten(1), test.y, ridge),
         "random_W": _readout(encode(Wr, Xv_tr).flatten(1), tr.y, encode(Wr, Xv_te).flatten(1), test.y, ridge),
         "input_capsules": _readout(X_tr.flatten(1), tr.y, X_te.flatten(1), test.y, ridge)}
     # the decoder U (Sec. 4.1) on the pairs (input capsules as W saw them, output capsules)
-    offset = mean if unit.config["variant"] == "centred" else None
+    offset = mean if unit.config["variant"] in CENTRED else None
     dec = poe_models.train_decoder(U, Y_tr, Xv_tr, epochs=cfg["dec_epochs"],
                                    generator=torch.Generator().manual_seed(unit.seed), **_cd_kwargs(cfg) | {"lr": cfg["dec_lr"]})
     history.update({f"dec_{k}": v for k, v in dec.items()})
@@ -283,7 +295,36 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
 
 
 _WHAT = {"hauser": "the input capsules as they come", "centred": "centred input capsules",
-         "sparsity": "the input capsules with the sparsity term"}
+         "sparsity": "the input capsules with the sparsity term",
+         "both": "the centred input capsules with the sparsity term"}
+
+
+def division_of_labour(lengths: torch.Tensor, labels: torch.Tensor, shuffles: int = 100, seed: int = 0) -> dict:
+    """How the experts divide the images: each image goes to the expert that fires most for it (the longest of
+    its output capsules, ``lengths (N, J)``), and the images an expert wins are read by their ``labels (N,)``,
+    which play no part in training. Returns ``winner (N,)``; ``experts``, how many experts win at least one
+    image; ``purity``, the share of the images whose label is the most common one among their expert's images
+    (the purity of the partition; 1 when every expert wins one class only); ``shuffled``, the same purity with
+    the labels shuffled against the partition (mean over ``shuffles`` permutations): what the partition's
+    sizes alone give; and ``majority``, each expert's most common label (-1 for an expert that wins nothing)."""
+    if lengths.dim() != 2 or labels.shape != lengths.shape[:1]:
+        raise ValueError(f"lengths must be (N, J) and labels (N,); got {tuple(lengths.shape)} and {tuple(labels.shape)}")
+    if not (isinstance(shuffles, int) and shuffles >= 1):
+        raise ValueError(f"shuffles must be an int >= 1; got {shuffles!r}")
+    J = lengths.shape[1]
+    winner = lengths.argmax(1).cpu()
+    labels = labels.cpu()
+
+    def counts(y):
+        return torch.bincount(winner * 10 + y, minlength=J * 10).view(J, 10)
+
+    c = counts(labels)
+    g = torch.Generator().manual_seed(seed)
+    shuffled = [counts(labels[torch.randperm(len(labels), generator=g)]).max(1).values.sum().item() / len(labels)
+                for _ in range(shuffles)]
+    return {"winner": winner, "experts": int((c.sum(1) > 0).sum()), "purity": c.max(1).values.sum().item() / len(labels),
+            "shuffled": float(np.mean(shuffled)),
+            "majority": torch.where(c.sum(1) > 0, c.argmax(1), torch.full((J,), -1)).tolist()}
 
 
 def _register() -> None:
@@ -302,13 +343,15 @@ _register()
 
 # ----------------------------------------------------------------------------- the chapter's paper-scale views
 
-VARIANT_LABELS = {"hauser": "as printed (uncentred)", "centred": "centred inputs", "sparsity": "sparsity term"}
+VARIANT_LABELS = {"hauser": "as printed (uncentred)", "centred": "centred inputs", "sparsity": "sparsity term",
+                  "both": "centred + sparsity"}
 
 
 def experts_groups(smoke: bool = False):
     from .units import group
     names = {"hauser": "W trained on the input capsules as they come", "centred": "W trained on centred input capsules",
-             "sparsity": "W trained with the sparsity term"}
+             "sparsity": "W trained with the sparsity term",
+             "both": "W trained on centred input capsules with the sparsity term"}
     return [group(f"07/experts/{v}", names[v], smoke) for v in UNIT_VARIANTS]
 
 
@@ -327,6 +370,9 @@ def experts_frame(groups):
         rows[VARIANT_LABELS[v]] = {
             "firing probability": cell(g, lambda m: m["collapse"]["firing_mean"]),
             "mean resultant length (lowest capsule)": cell(g, lambda m: m["collapse"]["resultant_min"]),
+            "experts that win digits": cell(g, lambda m: m["division"]["experts"], 1),
+            "winner purity": cell(g, lambda m: m["division"]["purity"]),
+            "winner purity, labels shuffled": cell(g, lambda m: m["division"]["shuffled"]),
             "read-out accuracy": cell(g, lambda m: m["readout"]["capsules"]),
             "read-out, random W": cell(g, lambda m: m["readout"]["random_W"]),
             "class purity": cell(g, lambda m: m["purity"]["mean"]),

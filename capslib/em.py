@@ -108,7 +108,7 @@ class EMState(NamedTuple):
 
 
 def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e_step, trace=None,
-        detach=False, normalize="mean", schedule="ramp"):
+        detach=False, normalize="mean", schedule="ramp", renormalise=False):
     """EM routing on votes laid out ``Vt (B, J, I, H)``; returns ``mu (B, J, H)``, ``a' (B, J)``,
     ``R (B, J, I)``.
 
@@ -138,14 +138,16 @@ def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e
         grad = not detach or t == iterations - 1
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             mu, sigma2, logit, R = _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps,
-                                             t < iterations - 1 or final_e_step, normalize, VV)
+                                             t < iterations - 1 or final_e_step, normalize, VV, renormalise)
         if trace is not None:
             trace.append(EMState(mu + shift.squeeze(2), sigma2, torch.sigmoid(logit), R.transpose(1, 2)))
     return mu + shift.squeeze(2), torch.sigmoid(logit), R
 
 
-def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="mean", VV=None):
+def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="mean", VV=None, renormalise=False):
     """One M-step and (if ``do_e_step``) one E-step on centred votes ``V (B, J, I, H)``.
+
+    ``renormalise``: the pitfall of :func:`em_routing` (``renormalise_over_parents``).
 
     ``VV`` is ``cat([V, V2], -1)`` when the caller has it: then each step reads the vote
     tensor with a single batched matrix product instead of two (:func:`capslib.ops.bmm`, whose
@@ -154,6 +156,8 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
     H = V.shape[-1]
     # M-step
     rp = R * a                                             # r'_ij = R_ij a_i
+    if renormalise:                                        # the pitfall: r' / sum_j r' = R, the activations cancel
+        rp = rp / rp.sum(dim=1, keepdim=True).clamp_min(eps)
     rsum = rp.sum(dim=2)                                   # sum_i r'_ij          (B, J)
     denom = rsum.clamp_min(eps)                            # = sum_i r'_ij unless it is below eps
     w = rp / denom.unsqueeze(-1)
@@ -217,7 +221,8 @@ def _check_normalize(normalize):
 
 def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, iterations: int = 3,
                final_lambda: float = FINAL_LAMBDA, var_floor: float = VAR_FLOOR, eps: float = EPS,
-               detach: bool = False, normalize: str = NORMALIZE, schedule: str = "ramp"):
+               detach: bool = False, normalize: str = NORMALIZE, schedule: str = "ramp",
+               renormalise_over_parents: bool = False):
     """EM routing of Hinton, Sabour & Frosst 2018, Procedure 1 (chapter 5, Eq. ch5-rprime to ch5-estep).
 
     ``R`` starts uniform (``1/J``); each of ``iterations`` rounds runs
@@ -250,6 +255,10 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
         detach: if True, the assignments that enter the last M-step are constants for
             back-propagation (the idea of Gu & Tresp, chapter 4, carried over to EM):
             the gradient reaches the votes and activations only through that M-step.
+        renormalise_over_parents: a pitfall of some public code, as a switch (never the default;
+            chapter 5): ``r'_ij`` divided by its sum over the parents, ``max(a_i, eps)`` since
+            ``sum_j R_ij = 1``, before each M-step. The children's activations then cancel, and a
+            silent child's vote weighs as much as an active one's in every mean, variance and cost.
 
     Returns:
         ``(mu, a_out, R)``: parent poses ``(B, J, H)``, parent activations ``(B, J)`` and the
@@ -260,7 +269,7 @@ def em_routing(votes: torch.Tensor, activations: torch.Tensor, beta_u, beta_a, i
     _check_normalize(normalize)
     mu, act, R = _em(votes.transpose(1, 2).contiguous(), activations, beta_u, beta_a, iterations,
                      final_lambda, var_floor, eps, final_e_step=True, detach=detach, normalize=normalize,
-                     schedule=schedule)
+                     schedule=schedule, renormalise=renormalise_over_parents)
     return mu, act, R.transpose(1, 2)
 
 

@@ -75,7 +75,7 @@ class MatrixCaps(nn.Module):
 
     def __init__(self, in_types: int, out_types: int, weight_rows: int, iterations: int = 3, pose: int = 4,
                  final_lambda: float = FINAL_LAMBDA, init_std: float = W_INIT_STD, detach: bool = False,
-                 normalize: str = NORMALIZE, schedule: str = "ramp"):
+                 normalize: str = NORMALIZE, schedule: str = "ramp", renormalise_over_parents: bool = False):
         super().__init__()
         for name, v in [("in_types", in_types), ("out_types", out_types), ("iterations", iterations), ("pose", pose)]:
             check_positive_int(name, v)
@@ -89,6 +89,8 @@ class MatrixCaps(nn.Module):
         self.beta_a = nn.Parameter(torch.zeros(out_types))
         _check_schedule(schedule)
         self.schedule = schedule   # of the inverse temperature (inverse_temperatures)
+        # the pitfall of capslib.em.em_routing (never the default); may be switched on a trained layer
+        self.renormalise_over_parents = bool(renormalise_over_parents)
 
     def route(self, votes: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
         """``votes (N, J, I, 4, 4)`` (parent-major), ``a (N, I)`` -> ``mu (N, J, 4, 4)``, ``a' (N, J)``.
@@ -104,7 +106,8 @@ class MatrixCaps(nn.Module):
                 self._calibrate(Vt, a)
             mu, act, _ = _em(Vt, a, self.beta_u, self.beta_a, iterations or self.iterations,
                              self.final_lambda, VAR_FLOOR, EPS, final_e_step=False, detach=self.detach,
-                             normalize=self.normalize, schedule=self.schedule)
+                             normalize=self.normalize, schedule=self.schedule,
+                             renormalise=self.renormalise_over_parents)
         return mu.view(N, J, self.p, self.p), act
 
     @torch.no_grad()
@@ -121,7 +124,8 @@ class MatrixCaps(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_types={self.in_types}, out_types={self.out_types}, iterations={self.iterations}"
-                + (f", schedule={self.schedule!r}" if self.schedule != "ramp" else ""))
+                + (f", schedule={self.schedule!r}" if self.schedule != "ramp" else "")
+                + (", renormalise_over_parents=True" if self.renormalise_over_parents else ""))
 
 
 class ConvCaps(MatrixCaps):
@@ -254,6 +258,19 @@ class EMCapsNet(nn.Module):
         check_positive_int("iterations", value)
         for layer in (self.conv_caps1, self.conv_caps2, self.class_caps):
             layer.iterations = value
+
+    @property
+    def renormalise_over_parents(self) -> bool:
+        """The routing pitfall of :func:`capslib.em.em_routing` in every routed layer (off by default;
+        chapter 5 switches it on a trained network)."""
+        return self.class_caps.renormalise_over_parents
+
+    @renormalise_over_parents.setter
+    def renormalise_over_parents(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"renormalise_over_parents must be a bool; got {value!r}")
+        for layer in (self.conv_caps1, self.conv_caps2, self.class_caps):
+            layer.renormalise_over_parents = value
 
     def capsules(self, x: torch.Tensor):
         """Every capsule layer's ``(pose, a)``, from primary to the last ConvCaps (for figures)."""

@@ -263,14 +263,19 @@ def test_em_capsnet_forward_backward():
         model(torch.rand(2, 3, 28, 28))
 
 
+def _small_net(iterations, images):
+    """A small EMCapsNet (seed 0), calibrated on ``images`` random images and put in eval mode; and the images."""
+    torch.manual_seed(0)
+    model = em_layers.EMCapsNet(A=8, B=4, C=4, D=4, iterations=iterations)
+    x = torch.rand(images, 1, 28, 28)
+    model.calibrate(x)
+    return model.eval(), x
+
+
 def test_routing_stays_float32_under_bf16_autocast():
     """The full profile trains under bf16 autocast on CUDA; EM must still run in float32.
     CPU autocast exercises the same code path here."""
-    torch.manual_seed(0)
-    model = em_layers.EMCapsNet(A=8, B=4, C=4, D=4, iterations=3)
-    x = torch.rand(4, 1, 28, 28)
-    model.calibrate(x)
-    model.eval()
+    model, x = _small_net(3, 4)
     with torch.no_grad():
         ref = model(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -295,3 +300,42 @@ def test_matched_cnn_is_the_nearest_in_parameters_and_refuses_bad_input():
         em_layers.SmallConvNet(w)(torch.rand(3, 2, 28, 28))
     with pytest.raises(ValueError, match="width"):
         em_layers.SmallConvNet(0)
+
+
+def test_renormalising_over_parents_cancels_the_activations():
+    # the pitfall divides r' = R a by its sum over the parents, a_i: the routing then sees every child as fully active
+    V, a, bu, ba = _inputs(I=8)
+    a = 0.05 + 0.95 * a                                           # every activation above eps
+    for iterations in (1, 3):
+        pit = em.em_routing(V, a, bu, ba, iterations, renormalise_over_parents=True)
+        for got, want in zip(pit, em.em_routing(V, torch.ones_like(a), bu, ba, iterations)):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        for got, want in zip(em.em_routing(V, a, bu, ba, iterations), plain_em(V, a, bu, ba, iterations)):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)    # off by default
+    # one M-step from uniform R: a silent child (a = 1e-3) whose votes move by 50 moves a parent's mean by
+    # 50 a_0 / sum_i a_i as printed, and by 50 / I with the pitfall (every child counts alike)
+    far = V.clone()
+    far[:, 0] += 50.0
+    quiet = a.clone()
+    quiet[:, 0] = 1e-3
+    moved = {pit: em.em_routing(far, quiet, bu, ba, 1, renormalise_over_parents=pit)[0]
+             - em.em_routing(V, quiet, bu, ba, 1, renormalise_over_parents=pit)[0] for pit in (False, True)}
+    share = (50.0 * quiet[:, 0] / quiet.sum(1))[:, None, None].expand_as(moved[False])
+    torch.testing.assert_close(moved[False], share, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(moved[True], torch.full_like(moved[True], 50.0 / 8), atol=1e-10, rtol=1e-10)
+
+
+def test_the_pitfall_is_a_switch_of_a_trained_network():
+    model, x = _small_net(2, 3)
+    with torch.no_grad():
+        plain = model(x).activations
+        assert model.renormalise_over_parents is False
+        model.renormalise_over_parents = True
+        assert all(layer.renormalise_over_parents for layer in (model.conv_caps1, model.conv_caps2, model.class_caps))
+        assert "renormalise_over_parents=True" in repr(model.class_caps)
+        switched = model(x).activations
+        model.renormalise_over_parents = False
+        torch.testing.assert_close(model(x).activations, plain)
+    assert not torch.allclose(switched, plain)
+    with pytest.raises(ValueError, match="must be a bool"):
+        model.renormalise_over_parents = 1

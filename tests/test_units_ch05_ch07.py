@@ -108,12 +108,15 @@ def test_chapter5_views_from_a_smoke_result(smoke_root, monkeypatch):
     sh = m["sharpening"]
     assert len(sh["assignment_entropy_nats"]) == 3 and all(0 <= h <= math.log(10) + 1e-6 for h in sh["assignment_entropy_nats"])
     assert set(m["viewpoint"]) == {str(a) for a in ch05.VIEWPOINT_ANGLES} and m["viewpoint"]["0"] == m["test_accuracy"]
+    assert 0 <= m["pitfall"]["renormalised_test_accuracy"] <= 1       # the pitfall switched on, then off again
     ht, ho = U.decode_array(res["arrays"]["fig2_true"]), U.decode_array(res["arrays"]["fig2_other"])
     assert ht.shape == ho.shape == (3, ch05.FIG2_BINS)
     assert (ht >= 0).all() and (ho >= 0).all() and 0 < ht.sum() and 0 < ho.sum()
     mg, ig = ch05.main_groups(smoke=True), ch05.iteration_groups(smoke=True)
     frame = ch05.main_frame(mg)
     assert frame.loc["MNIST test digits, 28x28", "test error (%)"] == f"{100 * m['test_error']:.2f}"
+    assert frame.loc["MNIST test digits, the renormalisation pitfall switched on", "test error (%)"] == \
+        f"{100 * (1 - m['pitfall']['renormalised_test_accuracy']):.2f}"
     assert frame["seeds"].iloc[0] == 1
     it = ch05.iterations_frame(ig)
     assert (it["test error (%)"] == "not yet run").all() and (it["seeds"] == 0).all()

@@ -50,7 +50,7 @@ profiles.register(
 # - ``centred``: the input capsules minus their mean over the training digits (U reconstructs the centred
 #   capsules; the mean is added back before the transposed convolutions);
 # - ``sparsity``: the input capsules as they come, with the sparsity term added to every CD-1 update;
-# - ``both``: the centred input capsules with the sparsity term (the chapter's controls: the experts specialise).
+# - ``both``: the centred input capsules with the sparsity term (in the chapter's controls the experts then divide the digits).
 #
 # Measured: the autoencoder's test error; the experts' firing probability and mean resultant length (the
 # collapse); the division of labour (:func:`division_of_labour`: each training digit given to the expert that

@@ -141,3 +141,14 @@ def test_every_claim_has_a_measured_spread_and_its_bound_sits_below_the_worst_ru
 # make test runs every chapter at 1 thread (two at a time), so a chapter listed here is tested at a thread
 # count its claims were not measured at.
 TWO_THREADS_ONLY: set[str] = set()
+
+
+def test_a_bound_that_is_not_a_literal_is_refused_with_the_claim_named(tmp_path):
+    import nbformat.v4 as v4
+    nb = v4.new_notebook(cells=[v4.new_code_cell('claims.check("99 a share", x, above=cfg.margin)')])
+    path = tmp_path / "99_toy.ipynb"
+    nbformat.write(nb, path)
+    with pytest.raises(ValueError, match=r"99_toy.ipynb: claim '99 a share': its bound must be a literal number.*cfg\.margin"):
+        spread.notebook_claims([path])
+    nbformat.write(v4.new_notebook(cells=[v4.new_code_cell('claims.check("99 a share", x, above=0.1)')]), path)
+    assert spread.notebook_claims([path]) == {"99 a share": {"chapter": "99_toy", "bound": "above", "limit": 0.1}}

@@ -128,8 +128,12 @@ def notebook_claims(notebooks: list[Path] | None = None) -> dict[str, dict]:
                         raise ValueError(f"{nb_path.name}: claim {name!r} must give exactly one bound")
                     if name in found:
                         raise ValueError(f"{nb_path.name}: claim {name!r} is made twice")
-                    found[name] = {"chapter": nb_path.stem, "bound": kws[0].arg,
-                                   "limit": float(ast.literal_eval(kws[0].value))}
+                    try:
+                        limit = float(ast.literal_eval(kws[0].value))
+                    except ValueError:
+                        raise ValueError(f"{nb_path.name}: claim {name!r}: its bound must be a literal number, since the "
+                                         f"spread reads it from the source; got {ast.unparse(kws[0].value)}") from None
+                    found[name] = {"chapter": nb_path.stem, "bound": kws[0].arg, "limit": limit}
     return found
 
 

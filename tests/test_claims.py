@@ -152,3 +152,18 @@ def test_a_bound_that_is_not_a_literal_is_refused_with_the_claim_named(tmp_path)
         spread.notebook_claims([path])
     nbformat.write(v4.new_notebook(cells=[v4.new_code_cell('claims.check("99 a share", x, above=0.1)')]), path)
     assert spread.notebook_claims([path]) == {"99 a share": {"chapter": "99_toy", "bound": "above", "limit": 0.1}}
+
+
+def test_rebound_rejudges_moved_bounds_and_drops_withdrawn_claims(tmp_path):
+    import nbformat.v4 as v4
+    path = tmp_path / "99_toy.ipynb"
+    nbformat.write(v4.new_notebook(cells=[v4.new_code_cell('claims.check("99 kept", x, above=0.5)')]), path)
+    run = lambda seed, kept, gone: {"seed": seed, "threads": 2, "chapters": {"99_toy": {"claims": [  # noqa: E731
+        {"name": "99 kept", "value": kept, "bound": "above", "limit": 0.9},
+        {"name": "99 withdrawn", "value": gone, "bound": "above", "limit": 0.0}]}}}
+    table = tmp_path / "spread.json"
+    table.write_text(json.dumps({"runs": {"seed 0": run(0, 0.8, 0.1), "seed 1": run(1, 0.7, -0.1)}}))
+    out = spread.rebound(table, [path])
+    assert set(out["claims"]) == {"99 kept"} and json.loads(table.read_text())["claims"].keys() == {"99 kept"}
+    kept = out["claims"]["99 kept"]
+    assert (kept["bound"], kept["limit"]) == ("above", 0.5) and kept["holds_in_every_run"] and kept["n"] == 2

@@ -11,7 +11,7 @@ order, in one job, because chapter 7 reads chapter 2's checkpoint.
     python -m capslib.tools.spread --seeds 0 1 2 3 4 --threads 2            # five seeds, two threads
     python -m capslib.tools.spread --seeds 0 1 2 3 4 --threads 1 --jobs 2   # the same at one thread, two at a time
     python -m capslib.tools.spread --table                                  # the Markdown table of the file
-    python -m capslib.tools.spread --rebound    # bounds moved in the notebooks: re-judge the same values
+    python -m capslib.tools.spread --rebound    # bounds moved or claims withdrawn in the notebooks: re-judge the same values
 
 Measurements merge into the existing file (a run replaces the values of its own seed,
 thread count, processor and chapters), so the table can be refreshed a chapter at a time. Each
@@ -137,17 +137,19 @@ def notebook_claims(notebooks: list[Path] | None = None) -> dict[str, dict]:
     return found
 
 
-def rebound(path: Path = SPREAD_FILE) -> dict:
+def rebound(path: Path = SPREAD_FILE, notebooks: list[Path] | None = None) -> dict:
     """Re-read every claim's bound from the notebooks and recompute the summary. The measured values
     do not depend on the bounds (a spread run logs, it does not assert), so a bound moved after a
-    measurement is judged against the same values without re-running anything."""
+    measurement is judged against the same values without re-running anything. A claim that no chapter
+    makes any more (withdrawn because it failed in a run, say) leaves the table: it holds what the
+    chapters assert."""
     table = json.loads(path.read_text())
-    bounds = notebook_claims()
+    bounds = notebook_claims(notebooks)
     for entry in table["runs"].values():
         for res in entry["chapters"].values():
+            res["claims"] = [c for c in res["claims"] if c["name"] in bounds]
             for c in res["claims"]:
-                if c["name"] in bounds:
-                    c["bound"], c["limit"] = bounds[c["name"]]["bound"], bounds[c["name"]]["limit"]
+                c["bound"], c["limit"] = bounds[c["name"]]["bound"], bounds[c["name"]]["limit"]
     table["claims"] = summarise(table["runs"])
     _write(table, path)
     return table

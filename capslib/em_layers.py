@@ -75,7 +75,7 @@ class MatrixCaps(nn.Module):
 
     def __init__(self, in_types: int, out_types: int, weight_rows: int, iterations: int = 3, pose: int = 4,
                  final_lambda: float = FINAL_LAMBDA, init_std: float = W_INIT_STD, detach: bool = False,
-                 normalize: str = NORMALIZE, schedule: str = "ramp", renormalise_over_parents: bool = False):
+                 normalize: str = NORMALIZE, schedule: str = "ramp"):
         super().__init__()
         for name, v in [("in_types", in_types), ("out_types", out_types), ("iterations", iterations), ("pose", pose)]:
             check_positive_int(name, v)
@@ -89,8 +89,8 @@ class MatrixCaps(nn.Module):
         self.beta_a = nn.Parameter(torch.zeros(out_types))
         _check_schedule(schedule)
         self.schedule = schedule   # of the inverse temperature (inverse_temperatures)
-        # the pitfall of capslib.em.em_routing (never the default); may be switched on a trained layer
-        self.renormalise_over_parents = bool(renormalise_over_parents)
+        # the pitfall of capslib.em.em_routing: off; switched on a trained layer (EMCapsNet.renormalise_over_parents)
+        self.renormalise_over_parents = False
 
     def route(self, votes: torch.Tensor, a: torch.Tensor, iterations: int | None = None):
         """``votes (N, J, I, 4, 4)`` (parent-major), ``a (N, I)`` -> ``mu (N, J, 4, 4)``, ``a' (N, J)``.

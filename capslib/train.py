@@ -78,19 +78,29 @@ def _autocast(device: torch.device, amp: bool):
 def evaluate(model: nn.Module, data: Split, batch_size: int = 500, predict: Callable | None = None,
              amp: bool = False) -> float:
     """Accuracy of ``model`` on ``data``; ``predict(model, x) -> scores (B, J)`` (default ``model(x)``)."""
+    return int(correct(model, data, batch_size, predict, amp).sum()) / max(len(data), 1)
+
+
+@torch.no_grad()
+def correct(model: nn.Module, data: Split, batch_size: int = 500, predict: Callable | None = None,
+            amp: bool = False) -> torch.Tensor:
+    """Which examples of ``data`` ``model`` classifies right, ``(N,)`` bool (for differences paired over the
+    examples); the arguments as in :func:`evaluate`. The model is evaluated in eval mode and left in its mode."""
     if not isinstance(data, Split):
         raise TypeError(f"data must be a capslib.data.Split; got {type(data).__name__}")
     was_training = model.training
     model.eval()
-    correct = 0
     dev = data.x.device
-    for i in range(0, len(data), batch_size):
-        xb, yb = data.x[i:i + batch_size], data.y[i:i + batch_size]
-        with _autocast(dev, amp):
-            s = predict(model, xb) if predict else scores_of(model(xb))
-        correct += int((s.argmax(dim=1) == yb).sum())
-    model.train(was_training)
-    return correct / max(len(data), 1)
+    right = []
+    try:
+        for i in range(0, len(data), batch_size):
+            xb, yb = data.x[i:i + batch_size], data.y[i:i + batch_size]
+            with _autocast(dev, amp):
+                s = predict(model, xb) if predict else scores_of(model(xb))
+            right.append(s.argmax(dim=1) == yb)
+    finally:
+        model.train(was_training)
+    return torch.cat(right) if right else torch.zeros(0, dtype=torch.bool, device=dev)
 
 
 def fit(

@@ -501,3 +501,14 @@ def test_rotate_turns_counter_clockwise_about_the_centre_and_draws_signs_from_th
         data.rotate(x[0], 10)
     with pytest.raises(ValueError, match="degrees must be a finite number"):
         data.rotate(x, float("nan"))
+
+
+def test_correct_marks_each_example_and_evaluate_is_its_mean():
+    d = data.embedded_mnist()["test"].subset(37)
+    net = _tiny()
+    net.train()
+    right = train.correct(net, d, batch_size=10)
+    assert right.dtype == torch.bool and right.shape == (37,) and net.training      # mode kept
+    assert train.evaluate(net, d, batch_size=10) == int(right.sum()) / 37
+    with pytest.raises(TypeError, match="Split"):
+        train.correct(net, d.x)

@@ -227,6 +227,13 @@ def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
     assert straddles.kind == "lower" and "cannot say" in straddles.clause("a", "b")
     said = e.clause("detached", "full")
     assert said.startswith("is equivalent to full within the margin") and "lower in 3" in said and "±0.010" in said
+    # the same verdicts in a few words, for a table cell
+    assert e.phrase() == "equivalent within ±0.01 (lower in 3 of 3 seeds)"
+    assert Equivalence(tight, 0.01).phrase() == "lower, within the margin (lower in 3 of 3 seeds)"
+    assert Equivalence(tight, 0.002).phrase().startswith("lower, beyond the margin")
+    assert straddles.phrase() == "lower, size unsettled (lower in 5 of 5 seeds)"
+    assert Equivalence(d, 0.005).phrase().startswith("unsettled")
+    assert Equivalence(summarise([0.01, -0.01, 0.0]), 0.05).phrase().endswith("(higher in 1 and lower in 1 of 3 seeds)")
     with pytest.raises(ValueError, match="margin"):
         Equivalence(d, 0.0)
     with pytest.raises(ValueError, match="two seeds"):

@@ -161,6 +161,14 @@ def test_registry_rejects_bad_units_and_names_known_ones():
 def test_baseline_cnn_has_the_papers_parameter_count():
     n = sum(p.numel() for p in ch02.BaselineCNN().parameters())
     assert round(n / 1e6, 1) == paper.value("sabour_baseline_params")
+    # chapter 2's ablation at ci: convolutions scaled like its CapsNet's, the fully connected layers the paper's
+    small = ch02.BaselineCNN.scaled(16 / 256)
+    convs = [m.out_channels for m in small.features if isinstance(m, torch.nn.Conv2d)]
+    linears = [m.out_features for m in small.head if isinstance(m, torch.nn.Linear)]
+    assert convs == [16, 16, 8] and linears == [328, 192, 10]
+    assert [m.out_channels for m in ch02.BaselineCNN.scaled(1e-3).features if isinstance(m, torch.nn.Conv2d)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="conv_scale"):
+        ch02.BaselineCNN.scaled(0)
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,15 @@ class BaselineCNN(nn.Module):
     def forward(self, x):
         return self.head(self.features(x))
 
+    @classmethod
+    def scaled(cls, conv_scale: float, **kw) -> "BaselineCNN":
+        """The baseline beside a CapsNet whose convolutions are ``conv_scale`` times the paper's (chapter 2's
+        ablation at ``ci``): the three convolutions scaled alike (at least one channel each), the fully
+        connected layers kept at the paper's 328 and 192."""
+        if not conv_scale > 0:
+            raise ValueError(f"conv_scale must be > 0; got {conv_scale}")
+        return cls(widths=tuple(max(1, round(w * conv_scale)) for w in (256, 256, 128)), **kw)
+
 
 def _recon_weight() -> float:
     return paper.value("sabour_recon_weight")

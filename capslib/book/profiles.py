@@ -32,7 +32,9 @@ SIZES: dict[str, dict[str, dict]] = {
         # pitfall_*: the pitfall study (capslib.pitfalls): training digits per seed, epochs, seeds and
         # the network's widths (each variant trains this network on the same digits and seeds).
         # ablation_*: Sabour's Table 1 as an ablation (routing iterations {1, 3} x reconstruction
-        # {off, on}): training digits per seed (None = all), epochs, batch, seeds and the network's widths.
+        # {off, on}): training digits per seed (None = all), epochs, batch, seeds, the network's widths, and the
+        # margin of practical equivalence of two cells' test accuracies, declared before the runs (the baseline
+        # CNN trains beside the cells, its convolutions scaled like the network's).
         # shift_*: the paper's training augmentation (every digit moved by up to shift_max px each way) as a
         # study on the ablation's network: training digits per seed (None = all), epochs, seeds, the largest
         # shift, and the margin of practical equivalence of two test accuracies, declared before the runs.
@@ -49,6 +51,7 @@ SIZES: dict[str, dict[str, dict]] = {
                    pitfall_conv_channels=16, pitfall_primary_types=4, pitfall_decoder=(64,),
                    ablation_train=800, ablation_epochs=2, ablation_batch_size=32, ablation_seeds=3,
                    ablation_conv_channels=16, ablation_primary_types=4, ablation_decoder=(128, 256),
+                   ablation_margin=0.02,
                    multimnist_train=1500, multimnist_test=500, multimnist_epochs=2, multimnist_batch_size=32,
                    shift_train=800, shift_epochs=4, shift_seeds=3, shift_max=2, shift_margin=0.02),
         "full": dict(dataset="mnist", conv_channels=256, primary_types=32, primary_dim=8, digit_dim=16,
@@ -61,6 +64,7 @@ SIZES: dict[str, dict[str, dict]] = {
                      pitfall_conv_channels=256, pitfall_primary_types=32, pitfall_decoder=(512, 1024),
                      ablation_train=None, ablation_epochs=8, ablation_batch_size=128, ablation_seeds=3,
                      ablation_conv_channels=256, ablation_primary_types=32, ablation_decoder=(512, 1024),
+                     ablation_margin=0.002,
                      multimnist_train=200_000, multimnist_test=10_000, multimnist_epochs=10,
                      multimnist_batch_size=128,
                      shift_train=None, shift_epochs=8, shift_seeds=3, shift_max=2, shift_margin=0.002),

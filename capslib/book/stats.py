@@ -256,6 +256,23 @@ class Equivalence:
         """Seeds with a positive and with a negative difference."""
         return sum(v > 0 for v in self.d.values), sum(v < 0 for v in self.d.values)
 
+    def phrase(self, fmt: str = ".2f") -> str:
+        """The verdict in a few words for a table cell (the sign of the difference, then the seeds'
+        signs), e.g. "lower, beyond the margin (3 of 3 seeds)"; :meth:`clause` gives the numbers."""
+        lo, hi = self.tost_interval
+        pos, neg = self.signs
+        word = {"equivalent": f"equivalent within ±{format(self.margin, fmt)}",
+                "small": f"{'higher' if self.d.mean > 0 else 'lower'}, within the margin",
+                "higher": "higher, beyond the margin" if lo > self.margin else "higher, size unsettled",
+                "lower": "lower, beyond the margin" if hi < -self.margin else "lower, size unsettled",
+                "unsettled": "unsettled"}[self.kind]
+        n = self.d.n
+        if self.d.mean > 0:
+            return f"{word} (higher in {pos} of {n} seeds)"
+        if self.d.mean < 0:
+            return f"{word} (lower in {neg} of {n} seeds)"
+        return f"{word} (higher in {pos} and lower in {neg} of {n} seeds)"
+
     def clause(self, who: str, ref: str, fmt: str = ".3f", ref_words: str | None = None) -> str:
         """``who`` against ``ref`` in words (``ref_words`` in the sentence if given), with the numbers
         that decide it."""

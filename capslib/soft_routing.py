@@ -367,8 +367,9 @@ def train_variant(net: SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, va
     """Minibatch gradient descent on :func:`variant_energy` (autograd; same schedule as :func:`train_gd`:
     a seeded permutation per epoch, energy summed over the minibatch, step ``lr``). ``"gates sum to 1"``
     first shifts the gate's bias with :func:`init_gates_sum_to_one` on the training inputs. Records, on ``probe = (x, labels)``
-    (default: the training set), the routing entropy and the route-class mutual information (bits) at
-    initialisation and after every epoch, and the probe accuracy after the last one.
+    (default: the training set), the routing entropy and the route-class mutual information (bits), the
+    mean gate sum and each route's mean gate ``r(j)`` (``mean_gate``) at initialisation and after every
+    epoch, and the probe accuracy after the last one.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
@@ -387,9 +388,10 @@ def train_variant(net: SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, va
         hist["entropy"].append(float(routing_entropy(r)))
         hist["mutual_information"].append(float(route_class_mutual_information(r, plab, net.d_out)))
         hist["gate_sum"].append(float(r.sum(dim=1).mean()))
+        hist["mean_gate"].append([float(v) for v in r.mean(dim=0)])
         return y
 
-    hist: dict = {"entropy": [], "mutual_information": [], "gate_sum": []}
+    hist: dict = {"entropy": [], "mutual_information": [], "gate_sum": [], "mean_gate": []}
     measure(hist)
     for _ in range(epochs):
         perm = torch.randperm(x.shape[0], generator=gen).to(x.device)

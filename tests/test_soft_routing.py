@@ -271,3 +271,5 @@ def test_gates_sum_to_one_on_average_and_bad_arguments():
     hist = sr.train_variant(_ablation_net(), x, y, "softmax gate", epochs=2, batch_size=30, lr=0.05)
     assert len(hist["entropy"]) == len(hist["mutual_information"]) == 3
     assert hist["gate_sum"] == pytest.approx([1.0] * 3)       # a softmax gate always sums to 1
+    assert len(hist["mean_gate"]) == 3 and all(len(g) == 3 for g in hist["mean_gate"])   # (epochs + 1) x M routes
+    assert [sum(g) for g in hist["mean_gate"]] == pytest.approx(hist["gate_sum"])          # the mean of the sum

@@ -62,3 +62,31 @@ def test_cell_timeout_reaches_every_execution_and_refuses_nonsense(monkeypatch, 
     with pytest.raises(SystemExit):
         sp.main(["--chapters", "01", "--cell-timeout", "0"])
     assert "--cell-timeout" in capsys.readouterr().err
+
+
+def test_a_run_carries_the_digest_of_the_code_it_executed_and_an_edit_mid_spread_drops_it(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A chapter edited while a spread runs: each run records the digest read just before it started, and runs
+    of the code that is no longer the chapter's are dropped with a line saying so (a digest taken once at the
+    start would have filed the later runs, made with the edited code, under the old version)."""
+    import subprocess as sp_module
+
+    from capslib.tools import spread as sp
+    nb = _chapter(tmp_path, "03_z", "x = 1")
+    calls = []
+
+    def fake_run(cmd, **kw):   # the first execution: the chapter is edited while it runs
+        calls.append(sp.source_digest(nb))
+        if len(calls) == 1:
+            nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 2")]), nb)
+        return sp_module.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(sp.subprocess, "run", fake_run)
+    path = tmp_path / "spread.json"
+    table = sp.measure([0, 1], [2], [nb], path=path)
+    out = capsys.readouterr().out
+    runs = table["runs"]
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert [e["seed"] for e in runs.values()] == [1]                          # seed 0 ran the old code: dropped
+    assert next(iter(runs.values()))["chapters"]["03_z"]["source"] == sp.source_digest(nb) == calls[1]
+    assert "03_z was edited after this run started" in out and "seed 0" in out

@@ -70,6 +70,7 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell
             log = workdir / f"{tag}-{nb.stem}.jsonl"
             log.unlink(missing_ok=True)
             env["CAPSBOOK_CLAIMS_LOG"] = str(log)
+            digest = source_digest(nb)   # the code about to run, read now: the file may be edited while a spread runs
             for attempt in (1, 2):  # a cell that times out (a lost kernel message) is executed once more
                 log.unlink(missing_ok=True)
                 t0 = time.perf_counter()
@@ -85,7 +86,7 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell
             if proc.returncode != 0:
                 lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
                 error = " | ".join(lines[-3:])[-600:]
-            out[nb.stem] = {"claims": read_log(log), "seconds": round(seconds, 1), "error": error}
+            out[nb.stem] = {"claims": read_log(log), "seconds": round(seconds, 1), "error": error, "source": digest}
             print(f"{run_key(seed, threads)}: {nb.stem} {seconds:.0f} s"
                   + (f", {len(out[nb.stem]['claims'])} claims" if not error else f", ERROR {error}"), flush=True)
     finally:
@@ -169,8 +170,9 @@ def _lock_digest() -> str | None:
 def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: int = 1,
             path: Path = SPREAD_FILE, cell_timeout: int = CELL_TIMEOUT) -> dict:
     """Run every (seed, threads) job, merge the measurements into ``path`` and return the table
-    (``cell_timeout``: seconds one cell may take, longer on a machine that other work shares)."""
-    digests = {nb.stem: source_digest(nb) for nb in notebooks}
+    (``cell_timeout``: seconds one cell may take, longer on a machine that other work shares). Each run
+    carries the digest of the code it executed, read just before it started; runs of a version other than
+    the chapter's code when the spread ends are dropped, with a line saying so for those of this spread."""
     with tempfile.TemporaryDirectory(prefix="capsbook-spread-") as tmp:
         configs = [(s, t) for t in threads for s in seeds]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -182,12 +184,16 @@ def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: i
     table = json.loads(path.read_text()) if path.exists() else {}
     runs = table.setdefault("runs", {})
     cpu = cpu_name()
+    digests = {nb.stem: source_digest(nb) for nb in notebooks}   # the chapters' code now, after the runs
     for (seed, t), by_chapter in results:
         entry = runs.setdefault(run_key(seed, t, cpu), {"seed": seed, "threads": t, "cpu": cpu, "chapters": {}})
         for chapter, res in by_chapter.items():
             entry["chapters"][chapter] = dict(res, torch=torch.__version__, lock=_lock_digest(),
-                                              measured=time.strftime("%Y-%m-%d %H:%M"), jobs=jobs,
-                                              source=digests[chapter])
+                                              measured=time.strftime("%Y-%m-%d %H:%M"), jobs=jobs)
+            entry["chapters"][chapter].setdefault("source", digests[chapter])
+            if entry["chapters"][chapter]["source"] != digests[chapter]:
+                print(f"{run_key(seed, t, cpu)}: {chapter} was edited after this run started; its values are "
+                      "dropped: measure the chapter again", flush=True)
     # values measured on another version of a chapter just re-measured would mix two experiments: drop them
     for key in list(runs):
         chs = runs[key]["chapters"]

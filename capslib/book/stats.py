@@ -258,7 +258,7 @@ class Equivalence:
 
     def phrase(self, fmt: str = ".2f") -> str:
         """The verdict in a few words for a table cell (the sign of the difference, then the seeds'
-        signs), e.g. "lower, beyond the margin (3 of 3 seeds)"; :meth:`clause` gives the numbers."""
+        signs), e.g. "lower, beyond the margin (lower in 3 of 3 seeds)"; :meth:`clause` gives the numbers."""
         lo, hi = self.tost_interval
         pos, neg = self.signs
         word = {"equivalent": f"equivalent within ±{format(self.margin, fmt)}",

@@ -234,6 +234,13 @@ def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
     assert straddles.phrase() == "lower, size unsettled (lower in 5 of 5 seeds)"
     assert Equivalence(d, 0.005).phrase().startswith("unsettled")
     assert Equivalence(summarise([0.01, -0.01, 0.0]), 0.05).phrase().endswith("(higher in 1 and lower in 1 of 3 seeds)")
+    # and as a sentence in the caller's words
+    assert Equivalence(tight, 0.002).verdict("A ahead", "B ahead") == \
+        "B ahead, by more than the margin of ±0.2% (higher in 0 of 3 seeds, lower in 3)"
+    assert straddles.verdict("A ahead", "B ahead", fmt=".2f").startswith(
+        "B ahead; whether by more than the margin of ±0.25, these seeds cannot say")
+    assert e.verdict("A", "B") == "equivalent within the margin of ±1.0% (higher in 0 of 3 seeds, lower in 3)"
+    assert Equivalence(d, 0.005).verdict("A", "B").startswith("neither told apart nor equivalent")
     with pytest.raises(ValueError, match="margin"):
         Equivalence(d, 0.0)
     with pytest.raises(ValueError, match="two seeds"):

@@ -273,6 +273,21 @@ class Equivalence:
             return f"{word} (lower in {neg} of {n} seeds)"
         return f"{word} (higher in {pos} and lower in {neg} of {n} seeds)"
 
+    def verdict(self, ahead: str, behind: str, fmt: str = ".1%") -> str:
+        """The verdict as a sentence in the caller's words, ``ahead`` for a positive difference and ``behind``
+        for a negative one, with the margin (formatted with ``fmt``) and the seeds on each side."""
+        lo, hi = self.tost_interval
+        pos, neg = self.signs
+        m = f"±{format(self.margin, fmt)}"
+        said = {"higher": f"{ahead}, by more than the margin of {m}" if lo > self.margin else
+                          f"{ahead}; whether by more than the margin of {m}, these seeds cannot say",
+                "lower": f"{behind}, by more than the margin of {m}" if hi < -self.margin else
+                         f"{behind}; whether by more than the margin of {m}, these seeds cannot say",
+                "small": f"{ahead if self.d.mean > 0 else behind}, by less than the margin of {m}",
+                "equivalent": f"equivalent within the margin of {m}",
+                "unsettled": f"neither told apart nor equivalent within the margin of {m} with these seeds"}[self.kind]
+        return f"{said} (higher in {pos} of {self.d.n} seeds, lower in {neg})"
+
     def clause(self, who: str, ref: str, fmt: str = ".3f", ref_words: str | None = None) -> str:
         """``who`` against ``ref`` in words (``ref_words`` in the sentence if given), with the numbers
         that decide it."""

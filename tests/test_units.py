@@ -1,6 +1,7 @@
 """Experiment units (capslib.book.units), their runner (capslib.tools.experiments) and the paper's
 shift augmentation (capslib.data.random_shift), at smoke sizes on the CPU."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -313,8 +314,14 @@ def test_bundle_carries_notebooks_without_outputs(tmp_path):
 
 
 def test_runner_stops_a_unit_at_the_budget_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    """The live loop: a smoke unit (about 15 s on the CPU) given an 8-s budget is started, stopped at the
-    budget with its whole process group, leaves no result, and the run's exit code says so."""
+    """The live loop: a smoke unit given an 8-s budget is started, stopped at the budget with its whole
+    process group, leaves no result, and the run's exit code says so. The smoke unit alone takes 7 to 15 s
+    on the CPUs seen, so the child is held 60 s before it starts (a sitecustomize on its path): the budget,
+    not the machine's speed, decides."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(slow), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("CAPSBOOK_UNITS_RESULTS", str(tmp_path))
     monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
     monkeypatch.setattr(X, "LOG_DIR", tmp_path / "logs")

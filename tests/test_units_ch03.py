@@ -118,3 +118,57 @@ def test_paper_scale_views_from_smoke_results(smoke_root, monkeypatch):
     plt.close("all")
     with pytest.raises(ValueError, match="at least one"):
         ch03.draw_routes([U.Group("x", "x", [], ["k"], []) for _ in ch03.UNIT_ROUTES])
+
+
+# ----------------------------------------------------------------------------- the small world
+
+def test_specialist_world_gives_each_group_its_own_rule_and_shares_the_rules_between_draws():
+    x, y, k = ch03.specialist_world(400, groups=3, dim=5, spread=3.0, seed=0)
+    assert x.shape == (400, 6) and y.shape == k.shape == (400,)
+    assert torch.all(x[:, -1] == 1)                                   # the constant input
+    assert set(k.tolist()) == {0, 1, 2} and set(y.tolist()) == {0, 1}
+    # the groups sit `spread` along their own axis: each group's mean is nearest its centre
+    centres = 3.0 * torch.eye(3, 5)
+    means = torch.stack([x[k == g, :5].mean(dim=0) for g in range(3)])
+    assert torch.cdist(means, centres).argmin(dim=1).tolist() == [0, 1, 2]
+    # within a group the class is the side of the group's own hyperplane through its centre, in every draw
+    rules = ch03.specialist_rules(3, 5)
+    assert torch.allclose(rules.norm(dim=1), torch.ones(3))
+    for seed in (0, 1):
+        xs, ys, ks = ch03.specialist_world(400, groups=3, dim=5, spread=3.0, seed=seed)
+        side = ((xs[:, :5] - centres[ks]) * rules[ks]).sum(dim=1) > 0
+        assert torch.equal(side.long(), ys)
+        # the rules differ from group to group: group 0's hyperplane misreads a share of the others' classes
+        own = ((xs[:, :5] - centres[ks]) * rules[0]).sum(dim=1) > 0
+        assert float((own.long() == ys)[ks != 0].double().mean()) < 0.9
+    with pytest.raises(ValueError, match="dim >= groups"):
+        ch03.specialist_world(10, groups=4, dim=3)
+    with pytest.raises(ValueError, match="groups >= 2"):
+        ch03.specialist_world(10, groups=1)
+
+
+def test_mean_gate_accuracy_equals_the_accuracy_when_the_gates_do_not_depend_on_the_input():
+    x, y, _ = ch03.specialist_world(300, seed=0)
+    net = sr.SoftRoutingNet(x.shape[1], 2, 4, init_std=0.5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        net.R.zero_()                                                   # r = 1/2 for every input and route
+    assert ch03.mean_gate_accuracy(net, x, y, "slides") == sr.accuracy(net, x, y)
+    with torch.no_grad():
+        net.R.normal_(generator=torch.Generator().manual_seed(1))      # gates that depend on the input
+    assert ch03.mean_gate_accuracy(net, x, y, "slides") != sr.accuracy(net, x, y)
+
+
+def test_world_run_trains_a_network_whose_routes_follow_the_groups():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(world_init_std=0.1, world_epochs=15, world_batch_size=32, world_lr=0.2)
+    world = ch03.specialist_world(600, groups=2, dim=4, seed=0)
+    test = ch03.specialist_world(600, groups=2, dim=4, seed=1)
+    metrics, usage = ch03.world_run("competitive error", 0, world, test, cfg)
+    assert set(metrics) == {"accuracy", "mean_gate_accuracy", "entropy0", "entropy", "group_information0",
+                            "group_information"}
+    assert usage.shape == (2, 2) and np.allclose(usage.sum(axis=1), 1.0)
+    assert metrics["group_information0"] < 0.05 < metrics["group_information"]
+    assert metrics["accuracy"] > metrics["mean_gate_accuracy"]
+    single, usage1 = ch03.world_run("slides", 0, world, test, cfg, routes=1)
+    assert single["group_information"] == 0.0 and usage1.shape == (2, 1)

@@ -22,18 +22,24 @@ CHAPTER = "03_soft_routing_gradients"
 # epochs, seeds) and the margins of practical equivalence of their paired differences, declared before the
 # runs: ablation_margin for the routing entropy and the mutual information (bits), ablation_acc_margin for
 # the accuracy on the validation digits.
+# world_*: the small world where specialising pays (:func:`specialist_world`), the same at both profiles
+# (seconds on a CPU): groups (= routes), input dimension, the groups' distance from the origin, training and
+# test examples, and the training of every variant (epochs, minibatch, step size, initial SD of R and P, seeds).
+# Its comparisons read against the ablation's margins.
+WORLD = dict(world_groups=4, world_dim=6, world_spread=3.0, world_train=1500, world_test=2000, world_epochs=30,
+             world_batch_size=32, world_lr=0.2, world_init_std=0.1, world_seeds=5)
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", routes=4, epochs=20, batch_size=50, lr=0.003, init_std=0.01,
             routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=20, compare_seeds=3,
             match_steps=50, scaling_samples=1000, cifar=False,
             ablation_images=1000, ablation_epochs=30, ablation_seeds=5, ablation_margin=0.1,
-            ablation_acc_margin=0.02),
+            ablation_acc_margin=0.02, **WORLD),
     full=dict(dataset="mnist", routes=4, epochs=60, batch_size=50, lr=0.003, init_std=0.01,
               routing_init_std=0.3, compare_routes=(1, 2, 4, 8), compare_epochs=60, compare_seeds=5,
               match_steps=50, scaling_samples=1000, cifar=True,
               ablation_images=None, ablation_epochs=60, ablation_seeds=5, ablation_margin=0.1,
-              ablation_acc_margin=0.005),
+              ablation_acc_margin=0.005, **WORLD),
 )
 
 
@@ -48,6 +54,75 @@ def route_heatmaps(matrices, titles, xlabel: str = "route j", ylabel: str = "cla
     return heatmap_grid(mats, titles, xlabel, ylabel, cbar_label, vmax=vmax, per_row=per_row, suptitle=suptitle,
                         panel_width=0.75 + 0.3 * width, panel_height=2.9,
                         xticklabels=[str(j + 1) for j in range(width)])
+
+
+# ============================================================================= the small world
+
+def specialist_world(n: int, groups: int = 4, dim: int = 6, spread: float = 3.0, seed: int = 0,
+                     rules_seed: int = 0):
+    """Inputs whose class follows a different rule in each of ``groups`` groups, for chapter 3's small world.
+
+    Group ``k`` is a unit Gaussian centred ``spread`` along axis ``k``; within it the class (two classes)
+    is the side of a hyperplane through the centre, ``[w_k . (x - centre_k) > 0]``, with ``w_k`` a random
+    unit vector of the group (drawn from ``rules_seed``, so that a training and a test set share them).
+    One sigmoid route reads one linear rule and cannot follow ``groups`` of them; a route per group can,
+    and the gate can tell the groups apart from ``x``. Returns ``(x (n, dim + 1)`` with the constant input
+    appended, ``y (n,)`` the class, ``k (n,)`` the group)."""
+    if n < 1 or groups < 2 or dim < groups:
+        raise ValueError(f"need n >= 1, groups >= 2 and dim >= groups; got n={n}, groups={groups}, dim={dim}")
+    rules = specialist_rules(groups, dim, rules_seed)
+    centres = spread * torch.eye(groups, dim)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(groups, (n,), generator=g)
+    z = torch.randn(n, dim, generator=g)
+    y = ((z * rules[k]).sum(dim=1) > 0).long()
+    return sr.with_bias(centres[k] + z), y, k
+
+
+def specialist_rules(groups: int, dim: int, rules_seed: int = 0) -> torch.Tensor:
+    """The unit normals ``w_k (groups, dim)`` of :func:`specialist_world`'s class rules."""
+    rules = torch.randn(groups, dim, generator=torch.Generator().manual_seed(rules_seed))
+    return rules / rules.norm(dim=1, keepdim=True)
+
+
+def mean_gate_accuracy(net: sr.SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, variant: str) -> float:
+    """Accuracy of ``net`` with every input's gates replaced by their mean over ``x``: the same routes,
+    mixed in the same average proportions, but no longer chosen per input (``variant`` as in
+    :func:`capslib.soft_routing.variant_outputs`)."""
+    with torch.no_grad():
+        r, Y, _ = sr.variant_outputs(net, x, variant)
+        y = torch.einsum("m,nmo->no", r.mean(dim=0), Y)
+    return float((y.argmax(dim=1) == labels).to(torch.float64).mean())
+
+
+def world_run(variant: str, seed: int, world: tuple, test: tuple, cfg, routes: int | None = None):
+    """One network of the small world trained as ``variant`` (:func:`capslib.soft_routing.train_variant`,
+    float32) from ``seed``. Returns ``(metrics, usage)``: the test accuracy, the accuracy with the gates fixed
+    at their mean (:func:`mean_gate_accuracy`), the routing entropy and the mutual information between
+    route and group (bits) at initialisation and after training; and the mean share ``q(j)`` of each route
+    per group, ``(groups, M)``, on the test inputs. ``world`` and ``test`` are :func:`specialist_world`'s
+    ``(x, y, k)``; ``routes`` defaults to one per group."""
+    x, y, _ = world
+    xt, yt, kt = test
+    groups = int(kt.max()) + 1
+    net = sr.SoftRoutingNet(x.shape[1], 2, routes or groups, init_std=cfg.world_init_std,
+                            generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+
+    def gates():
+        with torch.no_grad():
+            return sr.variant_outputs(net, xt, variant)[0]
+
+    def group_information(r):
+        return float(sr.route_class_mutual_information(r, kt, groups)) if r.shape[1] > 1 else 0.0
+
+    mi0 = group_information(gates())
+    hist = sr.train_variant(net, x, y, variant, epochs=cfg.world_epochs, batch_size=cfg.world_batch_size,
+                            lr=cfg.world_lr, seed=seed, probe=(xt, yt))
+    r = gates()
+    metrics = {"accuracy": hist["accuracy"], "mean_gate_accuracy": mean_gate_accuracy(net, xt, yt, variant),
+               "entropy0": hist["entropy"][0], "entropy": hist["entropy"][-1],
+               "group_information0": mi0, "group_information": group_information(r)}
+    return metrics, sr.route_usage(sr.route_distribution(r), kt, groups).numpy()
 
 
 # ============================================================================= paper scale as experiment units

@@ -25,7 +25,7 @@ profiles.register(
             cd_epochs=3, cd_lr=0.05, cd_momentum=0.9, cd_decay=0.9, cd_l2=1e-4, cd_batch=50,
             dec_epochs=2, dec_lr=0.05, init_std=0.01, samples=4, purity_samples=20,
             classifier_epochs=1, classifier_subset=2000, seeds=3,
-            control_subset=1000, control_seeds=1, sparsity_strength=100.0, sparsity_target=0.1,
+            control_subset=1000, control_seeds=3, sparsity_strength=100.0, sparsity_target=0.1,
             label_shuffles=100, specialise_margin=0.1),
     full=dict(dataset="mnist", channels=128, kernel=9, capsule_dim=8, out_caps=20, out_dim=16,
               iterations=3, dropout=0.1, ae_epochs=20, ae_lr=1e-3, ae_batch=128, unsupervised_subset=None,

@@ -73,6 +73,60 @@ def generate(source: Split, n: int, seed: int = 0, shift: int = SHIFT, size: int
     return Split(x, y)
 
 
+class PairShift:
+    """The paper's pairs drawn anew during training, as an ``augment`` of :func:`capslib.train.fit`.
+
+    Give ``fit`` a set made by :func:`generate` with ``shift=0`` (both digits centred on the canvas);
+    every batch then has each of its two digits moved by its own integer offsets, drawn uniformly from
+    ``[-shift, shift]`` along each axis (zero fill, :func:`capslib.data.random_shift`), and the overlay
+    rebuilt as their pixelwise maximum. The pairings stay those of the set; their relative positions
+    are new every time a pair is seen, as when the paper generated its training pairs on the fly.
+    Seeded; the generator is made on the first batch's device."""
+
+    def __init__(self, shift: int = SHIFT, seed: int = 0):
+        if not isinstance(shift, int) or shift < 0:
+            raise ValueError(f"shift must be an int >= 0; got {shift!r}")
+        self.shift, self.seed = shift, int(seed)
+        self._gen: torch.Generator | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from .data import random_shift
+
+        overlay(x)   # checks that x is a generated batch (B, 3, H, W)
+        if self._gen is None or self._gen.device != x.device:
+            self._gen = torch.Generator(device=x.device).manual_seed(self.seed)
+        a = random_shift(x[:, 1:2], self.shift, self._gen)
+        b = random_shift(x[:, 2:3], self.shift, self._gen)
+        return torch.cat([torch.maximum(a, b), a, b], dim=1)
+
+    def __repr__(self) -> str:
+        return f"PairShift(shift={self.shift}, seed={self.seed})"
+
+
+@torch.no_grad()
+def segmentation(model, split: Split, batch_size: int = 500) -> float:
+    """The share of digits whose reconstruction from their own class capsule is nearer (squared error)
+    to that digit alone than to the other digit of the pair: about 1/2 when the decoder draws the same
+    blend for both classes, 1 when it separates every pair (Sabour et al.'s Fig. 5, as one number)."""
+    was = model.training
+    model.eval()
+    nearer, total = 0, 0
+    try:
+        for i in range(0, len(split), batch_size):
+            xb, yb = split.x[i:i + batch_size], split.y[i:i + batch_size]
+            v, _ = model.encode(overlay(xb))
+            ab = labels(yb)
+            for k in range(2):
+                rec = model.decode(v, ab[:, k]).reshape(len(xb), 1, *xb.shape[-2:]).float()
+                own = ((rec - xb[:, 1 + k:2 + k].float()) ** 2).flatten(1).sum(1)
+                other = ((rec - xb[:, 2 - k:3 - k].float()) ** 2).flatten(1).sum(1)
+                nearer += int((own < other).sum())
+                total += len(xb)
+    finally:
+        model.train(was)
+    return nearer / total
+
+
 def labels(y: torch.Tensor) -> torch.Tensor:
     """Pair codes ``(B,)`` -> the two classes ``(B, 2)`` (first digit, second digit)."""
     check_tensor("y", y, dims=1)

@@ -74,3 +74,56 @@ def test_top2_accuracy_and_the_training_scores_count_both_labels():
     assert multimnist.accuracy(net, s) == pytest.approx(float(right.float().mean()))
     with pytest.raises(ValueError, match="MultiMNIST batch"):
         multimnist.overlay(s.x[:, :1])
+
+
+def test_pair_shift_moves_each_digit_on_its_own_and_rebuilds_the_overlay():
+    source = data.load("embedded")["train"]
+    centred = multimnist.generate(source, 64, seed=0, shift=0)
+    moved = multimnist.PairShift(multimnist.SHIFT, seed=5)(centred.x)
+    assert moved.shape == centred.x.shape
+    assert torch.equal(moved[:, 0], torch.maximum(moved[:, 1], moved[:, 2]))
+    # the canvas leaves room for the largest shift: no ink is lost
+    torch.testing.assert_close(moved[:, 1:].sum(dim=(2, 3)), centred.x[:, 1:].sum(dim=(2, 3)))
+    # each digit gets its own offsets: the two digits' centres of mass do not move together
+    grid = torch.arange(multimnist.SIZE, dtype=moved.dtype)
+
+    def centre(img):
+        return (img.sum(dim=-1) * grid).sum(-1) / img.sum(dim=(-2, -1))
+    d_first = centre(moved[:, 1]) - centre(centred.x[:, 1])
+    d_second = centre(moved[:, 2]) - centre(centred.x[:, 2])
+    assert not torch.allclose(d_first, d_second) and float(d_first.abs().max()) <= multimnist.SHIFT + 1e-4
+    # seeded: a new instance with the same seed repeats; the next batch of one instance is drawn anew
+    assert torch.equal(multimnist.PairShift(multimnist.SHIFT, seed=5)(centred.x), moved)
+    shifter = multimnist.PairShift(multimnist.SHIFT, seed=5)
+    assert not torch.equal(shifter(centred.x), shifter(centred.x))
+    assert torch.equal(multimnist.PairShift(0)(centred.x), centred.x)
+    with pytest.raises(ValueError, match="shift"):
+        multimnist.PairShift(-1)
+    with pytest.raises(ValueError, match="MultiMNIST batch"):
+        multimnist.PairShift(2)(source.x[:4])
+
+
+class _Decoder(torch.nn.Module):
+    """A stand-in network for one batch of ``pairs``: its decoder draws, for each class, that class's own
+    digit (``pick="own"``) or the other digit of the pair (``pick="other"``)."""
+
+    def __init__(self, pairs, pick):
+        super().__init__()
+        self.first = multimnist.labels(pairs.y)[:, 0]
+        self.digits, self.pick = pairs.x[:, 1:3], pick
+
+    def encode(self, x):
+        return torch.zeros(len(x), 10, 2), None
+
+    def decode(self, v, label):
+        first = (label == self.first) == (self.pick == "own")
+        return torch.where(first[:, None, None], self.digits[:, 0], self.digits[:, 1])[:, None]
+
+
+def test_segmentation_counts_reconstructions_nearer_their_own_digit():
+    source = data.load("embedded")["test"]
+    pairs = multimnist.generate(source, 40, seed=1)
+    scores = {}
+    for pick in ("own", "other"):
+        scores[pick] = multimnist.segmentation(_Decoder(pairs, pick), pairs, batch_size=len(pairs))
+    assert scores == {"own": 1.0, "other": 0.0}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from capslib import data, train
+from capslib import data, multimnist, train
 from capslib.book import paper
 from capslib.book import ch02
 from capslib.book import units as U
@@ -376,3 +376,40 @@ def test_overlap_counts_who_shared_the_gpu_and_the_result_records_it(tmp_path, m
     U.record_sharing(unit, 3, ["b", "c"])
     st, res = U.state(unit)
     assert st == "done" and res["sharing_gpu"] == 3 and res["shared_with"] == ["b", "c"] and res["ran_alone"] is False
+
+
+# ----------------------------------------------------------------------------- MultiMNIST at paper scale
+
+def test_multimnist_units_are_declared_and_projected_within_eight_minutes():
+    units = [u for u in U.all_units("02") if u.key.startswith("02/multimnist/")]
+    assert [u.key for u in units] == [f"02/multimnist/s{s}" for s in ch02.SEEDS]
+    for u in units:
+        assert u.images == ch02.MULTIMNIST["epochs"] * ch02.MULTIMNIST["pairs"]
+        assert u.family == ch02.MULTIMNIST_FAMILY and U.projected_seconds(u) <= 8 * 60
+        assert u.config["canvas"] == multimnist.SIZE and u.config["shift"] == multimnist.SHIFT   # the paper's
+    # after every Table 1 unit of the same seed
+    t1 = max(u.priority for u in U.all_units("02") if u.seed == 0 and not u.key.startswith("02/multimnist"))
+    assert units[0].priority > t1
+
+
+def test_multimnist_unit_smoke_writes_what_its_figure_needs(tmp_path, monkeypatch):
+    monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
+    unit = U.get("02/multimnist/s0")
+    U.execute(unit, device="cpu", smoke=True)
+    res = U.load(unit, smoke=True)
+    m, a = res["metrics"], res["arrays"]
+    assert m["train_pairs"] == ch02.MULTIMNIST_SMOKE["pairs"] and m["test_pairs"] == ch02.MULTIMNIST_SMOKE["test_pairs"]
+    assert 0 <= m["test_accuracy"] <= 1 and m["test_error"] == pytest.approx(1 - m["test_accuracy"])
+    assert 0 <= m["segmentation"] <= 1
+    k = ch02.MULTIMNIST["shown_pairs"]
+    S = multimnist.SIZE
+    assert U.decode_array(a["shown_input"]).shape == (k, S, S)
+    assert U.decode_array(a["shown_digits"]).shape == U.decode_array(a["shown_reconstructions"]).shape == (k, 2, S, S)
+    # the input is the pixelwise maximum of the two digits it shows
+    x, d = U.decode_array(a["shown_input"]), U.decode_array(a["shown_digits"])
+    assert np.array_equal(x, d.max(axis=1))
+    assert "test pairs" in ch02.multimnist_summary([res]) and ch02.multimnist_summary([]).startswith("no ")
+    import matplotlib.pyplot as plt
+    fig = ch02.draw_multimnist(res)
+    assert len(fig.axes) == 3 * k
+    plt.close(fig)

@@ -128,3 +128,31 @@ def test_every_figure_is_legible_in_the_column(path):
             shown = f" ({info['smallest_text']!r}, figure {info['width_px']:.0f} px wide)" if "smallest_text" in info else ""
             problems.append(f"cell {index}: {kind} text {info['smallest_px']:.1f} px < {viz.MIN_TEXT_PX:g}{shown}")
     assert not problems, "\n".join(problems)
+
+
+def stray_values(nb: dict) -> list[str]:
+    """Code cells whose output is a bare value echoed by a last line left without a semicolon (a glued
+    sentence, a count): plain text only, no table, figure or widget beside it."""
+    found = []
+    for index, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if out.get("output_type") == "execute_result" and set(data) <= {"text/plain"}:
+                text = "".join(data.get("text/plain", ""))
+                if "\n" not in text.strip():
+                    found.append(f"cell {index}: {text[:60]!r}")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_no_bare_value_is_echoed_under_a_cell(path):
+    found = stray_values(json.loads(path.read_text()))
+    assert not found, f"{path.stem}: end these cells' last line with ';' ({found[:3]})"
+
+
+def test_stray_value_check_tells_an_echo_from_a_table():
+    echo = {"output_type": "execute_result", "data": {"text/plain": "16"}}
+    table = {"output_type": "execute_result", "data": {"text/plain": "   a\n0  1", "text/html": "<table/>"}}
+    printed = {"output_type": "stream", "name": "stdout", "text": "16\n"}
+    nb = {"cells": [{"cell_type": "code", "outputs": [echo]}, {"cell_type": "code", "outputs": [table, printed]}]}
+    assert stray_values(nb) == ["cell 0: '16'"]

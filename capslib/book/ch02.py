@@ -192,6 +192,12 @@ def _capsnet_arrays(net: models.CapsNet, test: data.Split, n_couplings: int) -> 
     return metrics, arrays
 
 
+def _fast_path():
+    """``fit``'s fast path for a unit: the captured CUDA graph, or the static step alone when
+    ``CAPSBOOK_NO_GRAPH`` is set (the fast check found the graph wrong or slow on this GPU)."""
+    return "static" if os.environ.get("CAPSBOOK_NO_GRAPH", "").strip() not in ("", "0") else True
+
+
 def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     """Train the unit's network (see the module's docstring) and measure it."""
     cfg = unit.config
@@ -218,7 +224,7 @@ def run(unit: Unit, device: torch.device, smoke: bool) -> dict:
                         lr_decay=cfg["lr_decay"], val=val, seed=unit.seed, amp=False, progress=True,
                         augment=data.RandomShift(cfg["max_shift"], seed=unit.seed), on_epoch_end=keep_best,
                         eval_batch_size=cfg["eval_batch"], desc=unit.key,
-                        fast="static" if os.environ.get("CAPSBOOK_NO_GRAPH", "").strip() not in ("", "0") else True)
+                        fast=_fast_path())
     final = train.evaluate(net, test, batch_size=cfg["eval_batch"])
     with torch.no_grad():
         net.eval()
@@ -329,7 +335,7 @@ def run_multimnist(unit: Unit, device: torch.device, smoke: bool) -> dict:
     history = train.fit(net, pairs, multimnist_step, epochs=epochs, batch_size=size["batch_size"], lr=cfg["lr"],
                         lr_decay=cfg["lr_decay"], seed=unit.seed, amp=False, progress=True,
                         augment=multimnist.PairShift(cfg["shift"], seed=unit.seed), desc=unit.key,
-                        fast="static" if os.environ.get("CAPSBOOK_NO_GRAPH", "").strip() not in ("", "0") else True)
+                        fast=_fast_path())
     acc = multimnist.accuracy(net, test_pairs, batch_size=cfg["eval_batch"])
     seg = multimnist.segmentation(net, test_pairs, batch_size=cfg["eval_batch"])
     k = min(cfg["shown_pairs"], len(test_pairs))
@@ -541,32 +547,38 @@ def multimnist_summary(results: list) -> str:
             f"from a digit's own capsule is nearer to that digit than to the other one for {seg:.1%} of the digits")
 
 
-def draw_multimnist(result: dict):
-    """Sabour's Fig. 5 from a ``02/multimnist`` result: test pairs (top), their two digits (middle: the
-    first red, the second green) and the two reconstructions, each from its own class capsule (bottom)."""
+def draw_pairs(inputs, digits, reconstructions, labels, top2, title: str):
+    """MultiMNIST pairs as Sabour's Fig. 5 draws them: each pair's input (top), its two digits (middle: the
+    first red, the second green) and the two reconstructions, each from its own class capsule (bottom);
+    headed "labels → two longest capsules". Arrays in [0, 1]: ``inputs (k, S, S)``, ``digits`` and
+    ``reconstructions (k, 2, S, S)``; ``labels`` and ``top2 (k, 2)``."""
     import matplotlib.pyplot as plt
-
-    from .units import decode_array
-
-    a = result["arrays"]
-    x, d, r = (decode_array(a[k]) / 255.0 for k in ("shown_input", "shown_digits", "shown_reconstructions"))
-    lab, top = decode_array(a["shown_labels"]), decode_array(a["shown_top2"])
-    k = len(x)
 
     def rgb(pair):
         return np.stack([pair[0], pair[1], np.zeros_like(pair[0])], axis=-1).clip(0, 1)
 
+    k = len(inputs)
     fig, axes = plt.subplots(3, k, figsize=(1.15 * k, 4.3), squeeze=False)
     for i in range(k):
-        axes[0, i].imshow(x[i], cmap="gray", vmin=0, vmax=1)
-        axes[0, i].set_title(f"{lab[i, 0]}+{lab[i, 1]} → {top[i, 0]},{top[i, 1]}", fontsize=10)
-        axes[1, i].imshow(rgb(d[i]))
-        axes[2, i].imshow(rgb(r[i]))
+        axes[0, i].imshow(inputs[i], cmap="gray", vmin=0, vmax=1)
+        axes[0, i].set_title(f"{labels[i][0]}+{labels[i][1]} → {top2[i][0]},{top2[i][1]}", fontsize=10)
+        axes[1, i].imshow(rgb(digits[i]))
+        axes[2, i].imshow(rgb(reconstructions[i]))
     for ax in axes.flat:
         ax.set_xticks([])
         ax.set_yticks([])
     for row, name in enumerate(["input", "the two digits", "reconstructed"]):
         axes[row, 0].set_ylabel(name, fontsize=10)
-    fig.suptitle("MultiMNIST test pairs at paper scale: labels → two longest capsules", fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def draw_multimnist(result: dict):
+    """:func:`draw_pairs` of a ``02/multimnist`` result's test pairs."""
+    from .units import decode_array
+
+    a = result["arrays"]
+    x, d, r = (decode_array(a[k]) / 255.0 for k in ("shown_input", "shown_digits", "shown_reconstructions"))
+    return draw_pairs(x, d, r, decode_array(a["shown_labels"]), decode_array(a["shown_top2"]),
+                      "MultiMNIST test pairs at paper scale: labels → two longest capsules")

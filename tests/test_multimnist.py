@@ -127,3 +127,25 @@ def test_segmentation_counts_reconstructions_nearer_their_own_digit():
     for pick in ("own", "other"):
         scores[pick] = multimnist.segmentation(_Decoder(pairs, pick), pairs, batch_size=len(pairs))
     assert scores == {"own": 1.0, "other": 0.0}
+
+
+def test_half_scale_digits_keep_their_ink_and_fit_the_half_scale_canvas(source):
+    """Chapter 2's ci MultiMNIST: digits averaged down by 2 (each pixel the mean of a 2x2 block), pairs of them on
+    an 18x18 canvas with shifts of up to 2 px, the paper's geometry at half scale."""
+    from capslib.book import ch02
+    half = ch02.downsample(source, 2)
+    assert half.x.shape == (len(source), 1, 14, 14) and torch.equal(half.y, source.y)
+    # every 2x2 block's mean: the total ink is a quarter of the original's, and one pixel checks the block
+    torch.testing.assert_close(half.x.sum(dim=(1, 2, 3)), source.x.sum(dim=(1, 2, 3)) / 4)
+    torch.testing.assert_close(half.x[:, 0, 5, 6], source.x[:, 0, 10:12, 12:14].mean(dim=(1, 2)))
+    assert ch02.downsample(source, 1) is source
+    s = multimnist.generate(half, 50, seed=1, shift=2, size=18)
+    assert s.x.shape == (50, 3, 18, 18)
+    # no ink is lost off the canvas: each placed digit holds the ink of one downsampled digit
+    masses = half.x.sum(dim=(1, 2, 3))
+    for k in range(2):
+        m = s.x[:, 1 + k].sum(dim=(1, 2))
+        assert bool((masses[None, :] - m[:, None]).abs().min(dim=1).values.lt(1e-4).all())
+    for bad in (0, 3, 1.5, True):
+        with pytest.raises(ValueError, match="factor"):
+            ch02.downsample(source, bad)

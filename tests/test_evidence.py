@@ -100,7 +100,8 @@ def test_paper_vs_book_takes_keys_and_refuses_typed_paper_numbers():
         results.paper_vs_book([("MNIST error", 0.25, "3.6%")])
     labelled = results.paper_vs_book([("MNIST error", "sabour_mnist_error", "3.6% ± 0.4%")],
                                      paper_pm="SD over 3 trials", book_pm="95 % interval over 3 seeds")
-    assert list(labelled.columns) == ["paper (± SD over 3 trials)", "this book (± 95 % interval over 3 seeds)", "note"]
+    assert list(labelled.columns) == ["paper (± SD over 3 trials)", "this book (± 95 % interval over 3 seeds)",
+                                      "this book at paper scale (± SD over seeds)", "note"]   # the units of 02/main
     with pytest.raises(ValueError, match="what the ± is"):
         results.paper_vs_book([("MNIST error", "sabour_mnist_error", "3.6%")], book_pm=" ")
 

@@ -409,7 +409,36 @@ def test_multimnist_unit_smoke_writes_what_its_figure_needs(tmp_path, monkeypatc
     x, d = U.decode_array(a["shown_input"]), U.decode_array(a["shown_digits"])
     assert np.array_equal(x, d.max(axis=1))
     assert "test pairs" in ch02.multimnist_summary([res]) and ch02.multimnist_summary([]).startswith("no ")
+    assert U.paper_scale_cell("sabour_multimnist_error", smoke=True) == f"{m['test_error']:.1%} (1 of 3 seeds)"
     import matplotlib.pyplot as plt
     fig = ch02.draw_multimnist(res)
     assert len(fig.axes) == 3 * k
     plt.close(fig)
+
+
+def test_comparison_tables_gain_a_paper_scale_column_from_the_committed_units(main_smoke, monkeypatch):
+    """results.paper_vs_book: a column read from the units that measure a row's paper number (mean ± SD over the
+    seeds run, or "not yet run"), "—" in rows no unit measures, and no column when no row has a counterpart."""
+    from capslib.book import results
+
+    col = "this book at paper scale (± SD over seeds)"
+    rows = [("MNIST test error", "sabour_mnist_error", "1.00%"), ("learning rate", "gu_lr", "0.001")]
+    monkeypatch.setattr(U, "RESULTS_ROOT", main_smoke.parent / "empty")
+    frame = results.paper_vs_book(rows)
+    assert list(frame.columns) == ["paper", "this book", col, "note"]
+    assert list(frame[col]) == ["not yet run", "—"]
+    assert col not in results.paper_vs_book(rows[1:]).columns
+    # with the main unit's smoke result: its test error, one of the three seeds declared
+    monkeypatch.setattr(U, "RESULTS_ROOT", main_smoke)
+    err = U.load(U.get("02/main/s0"), smoke=True)["metrics"]["test_error"]
+    assert U.paper_scale_cell("sabour_mnist_error", smoke=True) == f"{err:.2%} (1 of 3 seeds)"
+    assert U.paper_scale_cell("gu_lr") is None and U.paper_scale_cell(None) is None
+    with pytest.raises(ValueError, match="not a key"):
+        U.paper_scale("no_such_number", "02/main", lambda m: m["test_error"], ".2%")
+    with pytest.raises(ValueError, match="twice"):
+        U.paper_scale("sabour_mnist_error", "02/main", lambda m: m["test_error"], ".2%")
+    with pytest.raises(ValueError, match="quantity"):
+        U.paper_scale("", "02/main", lambda m: m["test_error"], ".2%", row=True)
+    # every declared counterpart names units that exist
+    for key, ps in U.PAPER_SCALE.items():
+        assert U.select([ps.prefix]), key

@@ -127,6 +127,13 @@ def test_chapter5_views_from_a_smoke_result(smoke_root, monkeypatch):
     with pytest.raises(ValueError, match="at least one"):
         ch05.draw_iterations(ig)
     plt.close("all")
+    # the comparison table's paper-scale column: the MNIST rows (the paper's number is smallNORB's, with none here)
+    assert U.paper_scale_cell("hinton_smallnorb_error", smoke=True) is None
+    assert U.paper_scale_cell("—", smoke=True, quantity="MNIST test error, 3 iterations") == \
+        f"{m['test_error']:.2%} (1 of 3 seeds)"
+    assert U.paper_scale_cell("—", smoke=True, quantity="affNIST-style test error, 3 iterations") == \
+        f"{1 - m['transfer']['affine_40']:.1%} (1 of 3 seeds)"
+    assert U.paper_scale_cell("—", smoke=True, quantity="MNIST test error, 2 iteration(s)") == "not yet run"
 
 
 def test_chapter7_views_from_a_smoke_result(smoke_root, monkeypatch):

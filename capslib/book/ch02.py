@@ -402,6 +402,18 @@ TABLE1 = (
 )
 
 
+def _declare_paper_scale() -> None:
+    """The paper's numbers these units measure (the paper-scale column of the chapter's comparison table)."""
+    from .units import paper_scale
+
+    for _, prefix, key in TABLE1:
+        paper_scale(key, prefix, lambda m: m["test_error"], ".2%")
+    paper_scale("sabour_multimnist_error", "02/multimnist", lambda m: m["test_error"], ".1%")
+
+
+_declare_paper_scale()
+
+
 def table1_groups(smoke: bool = False):
     from .units import group
     return [group(prefix, label, smoke) for label, prefix, _ in TABLE1]

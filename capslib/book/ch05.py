@@ -255,6 +255,23 @@ def _register() -> None:
 _register()
 
 
+def _declare_paper_scale() -> None:
+    """The rows of the chapter's comparison table these units measure (the paper reports none of them: its
+    numbers are smallNORB's); the iteration rows as the `ci` comparison runs them, at a constant inverse
+    temperature."""
+    from .units import paper_scale
+
+    paper_scale("MNIST test error, 3 iterations", "05/main", lambda m: m["test_error"], ".2%", row=True)
+    paper_scale("affNIST-style test error, 3 iterations", "05/main", lambda m: 1 - m["transfer"]["affine_40"], ".1%",
+                row=True)
+    for T in UNIT_ITERATIONS:
+        paper_scale(f"MNIST test error, {T} iteration(s)", f"05/iterations/constant/T{T}", lambda m: m["test_error"],
+                    ".2%", row=True)
+
+
+_declare_paper_scale()
+
+
 # ----------------------------------------------------------------------------- the chapter's paper-scale views
 
 SCHEDULE_LABELS = {"authors": "authors' schedule, unnormalised cost", "constant": "constant, normalised cost"}

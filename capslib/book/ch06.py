@@ -513,6 +513,24 @@ def _register_units() -> None:
 _register_units()
 
 
+def _declare_paper_scale() -> None:
+    """REM's Table 1 numbers these units measure, at the units' K (the paper-scale column of the chapter's
+    comparison table)."""
+    from .units import paper_scale
+
+    K = str(UNIT_SCHEDULE["levels"])
+    rem = "REM (LOBSTER)"
+    paper_scale("rem_acc_vanilla", "06/vanilla", lambda m: m["vanilla"]["float_accuracy"], ".2%")
+    paper_scale("rem_acc_q", "06/vanilla", lambda m: m["vanilla"]["by_K"][K]["accuracy"], ".2%")
+    paper_scale("rem_entropy_q", "06/vanilla", lambda m: m["vanilla"]["by_K"][K]["entropy"], ".2f")
+    paper_scale("rem_acc_rem", "06/pruned", lambda m: m[rem]["by_K"][K]["accuracy"], ".2%")
+    paper_scale("rem_entropy_rem", "06/pruned", lambda m: m[rem]["by_K"][K]["entropy"], ".2f")
+    paper_scale("rem_sparsity", "06/pruned", lambda m: m[rem]["sparsity"], ".2%")
+
+
+_declare_paper_scale()
+
+
 # ----------------------------------------------------------------------------- the chapter's paper-scale views
 
 UNIT_ROWS = (("vanilla (+Q)", "06/vanilla", "vanilla"), ("REM (LOBSTER)", "06/pruned", "REM (LOBSTER)"),

@@ -126,6 +126,10 @@ def paper_vs_book(rows: list[tuple], paper_pm: str | None = None, book_pm: str |
     ``paper_pm`` / ``book_pm`` say what each column's ± is ("SD over 5 runs", "95 % interval over 3
     seeds"); given, they go into the column's heading, since the two are rarely the same thing.
 
+    Where a paper's number has a paper-scale counterpart (experiment units declared with
+    :func:`capslib.book.units.paper_scale`), the table gains a column with it, read from the committed
+    results: mean ± SD over the seeds run, or "not yet run"; "—" in the rows no unit measures.
+
     ``paper`` is a key of ``book/paper_results.yml`` (shown as the paper prints it, with its source),
     ``None`` (not reported), or words without digits ("polarized", "by eye"): numbers from papers
     come only from the sourced table."""
@@ -148,9 +152,15 @@ def paper_vs_book(rows: list[tuple], paper_pm: str | None = None, book_pm: str |
             raise ValueError(f"paper_vs_book: {ref!r} for {quantity!r} is neither a key of "
                              f"book/paper_results.yml nor words without numbers; add the paper's number "
                              f"to that table with its source and pass its key")
-        out.append((quantity, shown, book, note[0] if note else ""))
+        out.append((quantity, shown, book, note[0] if note else "", ref))
     for what, label in (("paper_pm", paper_pm), ("book_pm", book_pm)):
         if label is not None and (not isinstance(label, str) or not label.strip()):
             raise ValueError(f"paper_vs_book: {what} says what the ± is, in words; got {label!r}")
     columns = [f"paper (± {paper_pm})" if paper_pm else "paper", f"this book (± {book_pm})" if book_pm else "this book"]
-    return pd.DataFrame(out, columns=["quantity", *columns, "note"]).set_index("quantity")
+    from .units import paper_scale_cell
+
+    scale = [paper_scale_cell(ref, quantity=row[0]) for *row, ref in out]
+    frame = pd.DataFrame([row[:4] for row in out], columns=["quantity", *columns, "note"]).set_index("quantity")
+    if any(cell is not None for cell in scale):
+        frame.insert(2, "this book at paper scale (± SD over seeds)", [cell or "—" for cell in scale])
+    return frame

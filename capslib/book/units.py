@@ -468,6 +468,58 @@ def banner_html(groups: list[Group]) -> str | None:
     return f'<div class="admonition note"><p class="admonition-title">Paper scale</p><p>{body}</p></div>'
 
 
+# ----------------------------------------------------------------------------- paper scale beside the papers' numbers
+
+@dataclass(frozen=True)
+class PaperScale:
+    """The paper-scale counterpart of one of a paper's numbers: the units under ``prefix``, the value each
+    result holds (``metric(result["metrics"])``) and its format."""
+    prefix: str
+    metric: Callable[[dict], float]
+    fmt: str
+
+
+# paper key (book/paper_results.yml) or, for a row with no paper number, the row's quantity as the chapter's
+# comparison table names it -> its counterpart; declared by the chapter modules beside their units
+PAPER_SCALE: dict[str, PaperScale] = {}
+
+
+def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str, row: bool = False) -> None:
+    """Declare that the units under ``prefix`` measure the paper's number ``key`` (with ``row``: the
+    quantity of a comparison row that has no paper number, named exactly as the chapter's table names it):
+    the comparison tables of the chapters (:func:`capslib.book.results.paper_vs_book`) then show it in
+    their paper-scale column."""
+    from . import paper
+
+    if not row and not paper.is_key(key):
+        raise ValueError(f"paper_scale: {key!r} is not a key of book/paper_results.yml")
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(f"paper_scale: a paper key or a row's quantity; got {key!r}")
+    if key in PAPER_SCALE:
+        raise ValueError(f"paper_scale: {key!r} is declared twice")
+    if not callable(metric) or not isinstance(fmt, str):
+        raise ValueError("paper_scale: metric must be callable and fmt a format string")
+    PAPER_SCALE[key] = PaperScale(prefix, metric, fmt)
+
+
+def paper_scale_cell(key, smoke: bool = False, quantity: str | None = None) -> str | None:
+    """The paper-scale cell of a comparison row that shows the paper's ``key`` (or, failing that, of the row
+    named ``quantity``): the mean ± SD over the seeds run and how many of the declared seeds that is, or
+    "not yet run"; ``None`` where no unit measures that number."""
+    _load_chapters()
+    ps = PAPER_SCALE.get(key) if isinstance(key, str) else None
+    if ps is None and isinstance(quantity, str):
+        ps = PAPER_SCALE.get(quantity)
+    if ps is None:
+        return None
+    g = group(ps.prefix, ps.prefix, smoke)
+    declared = len(g.results) + len(g.missing) + len(g.stale)
+    values = [float(ps.metric(r["metrics"])) for r in g.results]
+    if not values:
+        return "not yet run"
+    return f"{seed_spread(values, ps.fmt)} ({len(values)} of {declared} seeds)"
+
+
 # ----------------------------------------------------------------------------- helpers the chapters' units share
 
 def cuda_speed_settings(device: torch.device, benchmark: bool = True) -> None:

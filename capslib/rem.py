@@ -122,6 +122,37 @@ def miller_madow_entropy(codes: torch.Tensor, predicted: torch.Tensor, num_class
     return per_class, per_class.mean()
 
 
+def bootstrap_entropy(codes: torch.Tensor, predicted: torch.Tensor, num_classes: int,
+                      index: torch.Tensor) -> torch.Tensor:
+    """The mean plug-in entropy of :func:`parse_tree_entropy` on resamples of the samples (chapter 6).
+
+    ``index (B, N)`` holds, per resample, the rows of ``codes``/``predicted`` it draws (with replacement,
+    e.g. ``torch.randint(N, (B, N))``); giving two networks the same ``index`` pairs their resamples
+    digit by digit. Returns a float64 ``(B,)``: each resample's class-mean entropy in bits, the same
+    numbers as :func:`parse_tree_entropy` on ``codes[index[b]]`` (keys are numbered once; each resample
+    only counts them). Its spread measures how much one run's entropy owes to the particular test digits;
+    its mean sits below the estimate where keys are rare, since a resample repeats digits.
+    """
+    _check_codes(codes, predicted, num_classes)
+    if index.dim() != 2 or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"index must be an integer (B, N) tensor of row numbers; got {tuple(index.shape)} {index.dtype}")
+    N = codes.shape[0]
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= N):
+        raise ValueError(f"index must hold row numbers in [0, {N}); got [{int(index.min())}, {int(index.max())}]")
+    rows = torch.cat([predicted.long().unsqueeze(1), codes.long()], dim=1)
+    keys, key_of = torch.unique(rows, dim=0, return_inverse=True)      # key_of: each sample's key number
+    key_class = keys[:, 0].to(index.device)
+    B, U = index.shape[0], keys.shape[0]
+    drawn = key_of.to(index.device)[index]                              # (B, n) key numbers
+    counts = torch.zeros(B, U, dtype=torch.float64, device=index.device).scatter_add_(
+        1, drawn, torch.ones_like(drawn, dtype=torch.float64))
+    n_j = torch.zeros(B, num_classes, dtype=torch.float64, device=index.device).index_add_(1, key_class, counts)
+    p = counts / n_j[:, key_class].clamp_min(1)
+    h = torch.where(counts > 0, -p * torch.log2(p.clamp_min(1e-300)), torch.zeros_like(p))
+    per_class = torch.zeros(B, num_classes, dtype=torch.float64, device=index.device).index_add_(1, key_class, h)
+    return per_class.mean(dim=1)
+
+
 def entropy_ceiling(predicted: torch.Tensor, num_classes: int) -> torch.Tensor:
     """``log2 n_j`` per class: the largest plug-in entropy ``n_j`` samples can show (one key each)."""
     n = torch.bincount(predicted.long(), minlength=num_classes).to(torch.float64)

@@ -468,3 +468,26 @@ def test_world_compare_branches_from_one_start_at_matched_sparsity():
         ceiling = math.log2(max(torch.bincount(splits["test"].y).tolist()))
         assert all(0.0 <= r[K]["entropy"] <= ceiling + 1e-9 for K in S.world_levels), (m, r)
     assert out == ch06.world_compare(0, S, splits)          # the seed fixes everything
+
+
+def test_bootstrap_entropy_is_the_plug_in_entropy_of_each_resample():
+    g = torch.Generator().manual_seed(5)
+    N, I, J = 60, 7, 4
+    codes = torch.randint(0, 3, (N, I), generator=g)
+    codes[:20] = codes[0]                                    # one frequent key, the rest mostly rare
+    pred = torch.randint(0, J, (N,), generator=g)
+    pred[:3] = 3
+    index = torch.randint(0, N, (25, N), generator=g)
+    boot = rem.bootstrap_entropy(codes, pred, J, index)
+    assert boot.shape == (25,) and boot.dtype == torch.float64
+    want = torch.stack([rem.parse_tree_entropy(codes[ix], pred[ix], J)[1] for ix in index])
+    torch.testing.assert_close(boot, want)
+    # the identity resample is the estimate itself; one key everywhere is 0 bits in every resample
+    torch.testing.assert_close(rem.bootstrap_entropy(codes, pred, J, torch.arange(N)[None]),
+                               rem.parse_tree_entropy(codes, pred, J)[1].reshape(1))
+    same = rem.bootstrap_entropy(torch.zeros(N, I, dtype=torch.long), pred, J, index)
+    assert float(same.abs().max()) == 0.0
+    with pytest.raises(ValueError, match="index"):
+        rem.bootstrap_entropy(codes, pred, J, torch.arange(N))
+    with pytest.raises(ValueError, match="row numbers"):
+        rem.bootstrap_entropy(codes, pred, J, torch.full((2, N), N))

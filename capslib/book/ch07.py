@@ -155,13 +155,19 @@ def _decode_images(model, U: torch.Tensor, y: torch.Tensor, mean: torch.Tensor |
     return model.autoencoder.decode(poe_models.capsules_to_code(x, model.code_shape))
 
 
-def _readout(f_train, y_train, f_test, y_test, ridge: float) -> float:
-    """Test accuracy of a one-vs-all least-squares read-out (ridge ``ridge``) of the labels."""
+def readout_correct(f_train, y_train, f_test, y_test, ridge: float = 1e-2) -> torch.Tensor:
+    """Which test rows a one-vs-all least-squares read-out of the ten labels (ridge ``ridge``, with a bias
+    column, in float64) fitted on ``(f_train, y_train)`` gets right: a boolean ``(len(f_test),)``."""
     A = torch.cat([f_train, torch.ones(len(f_train), 1, device=f_train.device)], 1).double()
     T = F.one_hot(y_train, 10).double()
     Wr = torch.linalg.solve(A.T @ A + ridge * torch.eye(A.shape[1], dtype=A.dtype, device=A.device), A.T @ T)
     At = torch.cat([f_test, torch.ones(len(f_test), 1, device=f_test.device)], 1).double()
-    return float(((At @ Wr).argmax(1) == y_test).double().mean())
+    return (At @ Wr).argmax(1) == y_test
+
+
+def _readout(f_train, y_train, f_test, y_test, ridge: float) -> float:
+    """Test accuracy of :func:`readout_correct`."""
+    return float(readout_correct(f_train, y_train, f_test, y_test, ridge).double().mean())
 
 
 def _to_uint8(x: torch.Tensor) -> torch.Tensor:

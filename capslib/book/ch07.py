@@ -155,6 +155,23 @@ def _decode_images(model, U: torch.Tensor, y: torch.Tensor, mean: torch.Tensor |
     return model.autoencoder.decode(poe_models.capsules_to_code(x, model.code_shape))
 
 
+@torch.no_grad()
+def generate_restricted(model, U: torch.Tensor, hemispheres: torch.Tensor, g: torch.Tensor,
+                        mean: torch.Tensor | None, iterations: int) -> torch.Tensor:
+    """Hauser's generated images (Sec. 4.2, Fig. 2), restricted domain, for every output capsule: each draw of
+    ``g (N, Do)`` flipped into the half-sphere around the capsule's mean training output (``hemispheres (J, Do)``),
+    squashed into that capsule alone, routed down through ``U`` (plus the training mean of the input capsules
+    where ``W`` saw them centred) and decoded. Returns ``(J, N, 1, 28, 28)``."""
+    J, Do = hemispheres.shape
+    images = []
+    for j in range(J):
+        gj = torch.where((g @ hemispheres[j] < 0).unsqueeze(1), -g, g)
+        y = g.new_zeros(g.shape[0], J, Do)
+        y[:, j] = squash(gj)
+        images.append(_decode_images(model, U, y, mean, iterations))
+    return torch.stack(images)
+
+
 def readout_correct(f_train, y_train, f_test, y_test, ridge: float = 1e-2) -> torch.Tensor:
     """Which test rows a one-vs-all least-squares read-out of the ten labels (ridge ``ridge``, with a bias
     column, in float64) fitted on ``(f_train, y_train)`` gets right: a boolean ``(len(f_test),)``."""
@@ -257,15 +274,7 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     # generated images per capsule, restricted domain (g flipped into the half-sphere of the capsule's mean output)
     n = cfg["purity_samples"]
     g = torch.randn(n, cfg["out_dim"], generator=torch.Generator().manual_seed(unit.seed)).to(device)
-    hemi = Y_tr.mean(0)
-    with torch.no_grad():
-        images = []
-        for j in range(cfg["out_caps"]):
-            gj = torch.where((g @ hemi[j] < 0).unsqueeze(1), -g, g)
-            y = g.new_zeros(n, cfg["out_caps"], cfg["out_dim"])
-            y[:, j] = squash(gj)
-            images.append(_decode_images(model, U, y, offset, T))
-        images = torch.stack(images)                                        # (J, n, 1, 28, 28)
+    images = generate_restricted(model, U, Y_tr.mean(0), g, offset, T)     # (J, n, 1, 28, 28)
     # the classifier: chapter 2's CapsNet, trained here
     cc = UNIT_SMOKE["classifier"] if smoke else cfg["classifier"]
     torch.manual_seed(unit.seed)

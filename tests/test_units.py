@@ -442,3 +442,23 @@ def test_comparison_tables_gain_a_paper_scale_column_from_the_committed_units(ma
     # every declared counterpart names units that exist
     for key, ps in U.PAPER_SCALE.items():
         assert U.select([ps.prefix]), key
+
+
+def test_every_row_declared_for_the_paper_scale_column_is_a_row_of_a_committed_comparison_table():
+    """A row keyed by its quantity (no paper number) must match a row the chapters' tables print, or its
+    paper-scale cell would silently go missing when a label changes."""
+    import json
+    from pathlib import Path
+
+    from capslib.book import paper
+
+    U._load_chapters()
+    shown = ""
+    for nb in sorted(Path(__file__).resolve().parents[1].glob("book/0*.ipynb")):
+        for cell in json.loads(nb.read_text())["cells"]:
+            if cell["cell_type"] == "code" and "paper_vs_book(" in "".join(cell["source"]):
+                shown += "".join("".join(o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", []))
+    rows = [k for k in U.PAPER_SCALE if not paper.is_key(k)]
+    assert rows, "chapter 5 declares rows without a paper number"
+    for quantity in rows:
+        assert f"\n{quantity} " in shown, f"{quantity!r} is no row of a committed comparison table"

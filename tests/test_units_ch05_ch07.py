@@ -183,3 +183,24 @@ def test_division_of_labour_reads_the_partition_of_the_winning_experts():
         ch07.division_of_labour(lengths, labels[:3])
     with pytest.raises(ValueError, match="shuffles"):
         ch07.division_of_labour(lengths, labels, shuffles=0)
+
+
+def test_part_pose_world_agrees_under_the_true_transforms_and_clutters_a_share_of_parts():
+    """Chapter 5's small world: without noise or clutter, every part's vote under W_tk = P_tk is the object's
+    pose (the votes for the true class agree exactly, those for another class do not); clutter replaces about the
+    share asked for; bad arguments are refused."""
+    P = ch05.part_transforms(5, 8)
+    M, y = ch05.part_pose_world(50, P, outliers=0.0, noise=0.0, seed=3)
+    assert M.shape == (50, 8, 4, 4) and y.shape == (50,)
+    votes = torch.stack([M[:, t] @ P[t, y] for t in range(8)], 1)            # (n, parts, 4, 4)
+    torch.testing.assert_close(votes, votes[:, :1].expand_as(votes), atol=1e-5, rtol=0)
+    other = (y + 1) % 5
+    wrong = torch.stack([M[:, t] @ P[t, other] for t in range(8)], 1)
+    assert float((wrong - wrong[:, :1]).abs().amax(dim=(1, 2, 3)).min()) > 0.1
+    Mc, yc = ch05.part_pose_world(400, P, outliers=0.3, noise=0.0, seed=3)
+    clean = torch.stack([Mc[:, t] @ P[t, yc] for t in range(8)], 1)
+    centre = clean.median(dim=1).values[:, None]
+    share = float(((clean - centre).abs().amax(dim=(2, 3)) > 1e-3).float().mean())
+    assert 0.2 < share < 0.4
+    with pytest.raises(ValueError, match="outliers"):
+        ch05.part_pose_world(5, P, outliers=1.0, noise=0.0, seed=0)

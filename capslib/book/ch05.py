@@ -3,9 +3,17 @@ mathematics lives in the library: EM routing and the spread loss in :mod:`capsli
 layers and networks in :mod:`capslib.em_layers`."""
 from __future__ import annotations
 
+import math as _math
+import os
+
+import numpy as np
+import torch
+
+from .. import data, em, em_layers, train
 from ..em import FINAL_LAMBDA, NORMALIZE
 from ..em_layers import W_INIT_STD
 from . import profiles
+from .units import Unit, built_in_float64, cuda_speed_settings, encode_array, register, step_summary
 
 # A small world for the iteration study (the same at every profile): one class-capsule layer, routed by EM, on
 # synthetic poses. Each example is an object of one of world_classes classes with a random pose O (an in-plane
@@ -94,32 +102,36 @@ def part_pose_world(n: int, transforms: torch.Tensor, outliers: float, noise: fl
     return torch.where(clutter[..., None, None], random, M), y
 
 
+class PartWorldNet(torch.nn.Module):
+    """The small world's network: one class-capsule layer (no coordinate addition) over the parts of an example,
+    every part active. ``x (B, parts, 4, 4)`` -> :class:`capslib.em_layers.EMOutput`."""
+
+    def __init__(self, layer: em_layers.ClassCaps):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> em_layers.EMOutput:
+        B, parts = x.shape[:2]
+        poses, act = self.layer(x.view(B, 1, 1, parts, 4, 4), x.new_ones(B, 1, 1, parts))
+        return em_layers.EMOutput(act, poses)
+
+
 def world_run(iterations: int, schedule: str, seed: int, cfg, data_sets) -> dict:
     """One class-capsule layer with ``iterations`` EM iterations under ``schedule`` (``"constant"``: the book's
     normalised cost at kappa_final = 1; ``"authors"``: the unnormalised cost at the authors' 0.01), trained on the
-    small world with the spread loss (margin 0.2 -> 0.9); its test accuracy, and the mean activation of the true
-    class and of the others on the test examples."""
+    small world by :func:`capslib.train.fit` with the spread loss (margin 0.2 -> 0.9); its test accuracy, and the
+    mean activation of the true class and of the others on the test examples."""
     (x_tr, y_tr), (x_te, y_te) = data_sets
-    parts = x_tr.shape[1]
     lam, norm = (FINAL_LAMBDA, NORMALIZE) if schedule == "constant" else (em.AUTHORS_FINAL_LAMBDA, "none")
     torch.manual_seed(seed)
-    layer = em_layers.ClassCaps(parts, cfg.world_classes, iterations=iterations, coordinate_addition=False,
-                                final_lambda=lam, normalize=norm, schedule=schedule, init_std=cfg.world_init_std)
-    opt = torch.optim.Adam(layer.parameters(), cfg.world_lr)
-    steps, step = cfg.world_epochs * _math.ceil(len(y_tr) / cfg.world_batch), 0
-    order = torch.Generator().manual_seed(seed)
-    for _ in range(cfg.world_epochs):
-        perm = torch.randperm(len(y_tr), generator=order)
-        for i in range(0, len(y_tr), cfg.world_batch):
-            idx = perm[i:i + cfg.world_batch]
-            _, act = layer(x_tr[idx].view(len(idx), 1, 1, parts, 4, 4), torch.ones(len(idx), 1, 1, parts))
-            loss = em.spread_loss(act, y_tr[idx], em.margin_at(step, steps))
-            step += 1
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    net = PartWorldNet(em_layers.ClassCaps(x_tr.shape[1], cfg.world_classes, iterations=iterations,
+                                           coordinate_addition=False, final_lambda=lam, normalize=norm,
+                                           schedule=schedule, init_std=cfg.world_init_std))
+    steps = cfg.world_epochs * _math.ceil(len(y_tr) / cfg.world_batch)
+    train.fit(net, data.Split(x_tr, y_tr), em.SpreadLoss(steps), epochs=cfg.world_epochs, batch_size=cfg.world_batch,
+              lr=cfg.world_lr, seed=seed, progress=False)
     with torch.no_grad():
-        _, act = layer(x_te.view(len(y_te), 1, 1, parts, 4, 4), torch.ones(len(y_te), 1, 1, parts))
+        act = net.eval()(x_te).activations
     true = torch.nn.functional.one_hot(y_te, cfg.world_classes).bool()
     return {"test accuracy": float((act.argmax(1) == y_te).float().mean()),
             "activation, true class": float(act[true].mean()), "activation, other classes": float(act[~true].mean())}
@@ -149,14 +161,6 @@ def world_run(iterations: int, schedule: str, seed: int, cfg, data_sets) -> dict
 # minutes on one H100 at the step bench's rate for this network (``em32``, about 940 images/s); the
 # evaluations after training (about 100,000 forward passes) take about a minute more.
 
-import math as _math
-import os
-
-import numpy as np
-import torch
-
-from .. import data, em, em_layers, train
-from .units import Unit, built_in_float64, cuda_speed_settings, encode_array, register, step_summary
 
 UNIT_FAMILY = "em32"
 # ``version`` counts changes to what the units' ``run`` or ``capslib.train.fit`` do that the probe cannot

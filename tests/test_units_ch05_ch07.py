@@ -204,3 +204,56 @@ def test_part_pose_world_agrees_under_the_true_transforms_and_clutters_a_share_o
     assert 0.2 < share < 0.4
     with pytest.raises(ValueError, match="outliers"):
         ch05.part_pose_world(5, P, outliers=1.0, noise=0.0, seed=0)
+
+
+def test_a_turned_world_keeps_its_votes_in_agreement_and_its_training_objects_within_the_familiar_range():
+    """The viewpoint test's data: objects drawn within +-max_degrees; a turn left-multiplies every part of an
+    example by one rotation of +-degrees (so the true class's votes under W_tk = P_tk still agree, at the turned
+    object pose), the same sign for every part and angle of an example; bad ranges are refused."""
+    P = ch05.part_transforms(5, 8)
+    M, y = ch05.part_pose_world(300, P, outliers=0.0, noise=0.0, seed=4, max_degrees=60)
+    O = M[:, 0] @ P[0, y]                                                      # each object's pose
+    angle = torch.rad2deg(torch.atan2(O[:, 1, 0], O[:, 0, 0]))
+    assert float(angle.abs().max()) <= 60 + 1e-3 and float(angle.abs().max()) > 50
+    assert torch.equal(ch05.turn_poses(M, 0, seed=1), M)
+    T = ch05.turn_poses(M, 90, seed=7)
+    votes = torch.stack([T[:, t] @ P[t, y] for t in range(8)], 1)
+    torch.testing.assert_close(votes, votes[:, :1].expand_as(votes), atol=1e-5, rtol=0)
+    turned = torch.rad2deg(torch.atan2(votes[:, 0, 1, 0], votes[:, 0, 0, 0])) - angle
+    turned = (turned + 180) % 360 - 180
+    assert torch.allclose(turned.abs(), torch.full_like(turned, 90.0), atol=1e-3)
+    assert 0.3 < float((turned > 0).float().mean()) < 0.7                     # either way, at random
+    torch.testing.assert_close(ch05.turn_poses(ch05.turn_poses(M, 30, seed=7), 30, seed=7),
+                               ch05.turn_poses(M, 60, seed=7), atol=1e-5, rtol=0)
+    # the default range is the whole circle and draws exactly the world of the iteration study
+    full, y_full = ch05.part_pose_world(20, P, outliers=0.3, noise=0.05, seed=9)
+    same, y_same = ch05.part_pose_world(20, P, outliers=0.3, noise=0.05, seed=9, max_degrees=180)
+    assert torch.equal(full, same) and torch.equal(y_full, y_same)
+    with pytest.raises(ValueError, match="max_degrees"):
+        ch05.part_pose_world(5, P, outliers=0.0, noise=0.0, seed=0, max_degrees=200)
+
+
+def test_train_to_match_keeps_the_first_epoch_that_reaches_the_target_or_the_best():
+    """The matched-accuracy protocol: a reachable target stops the training at the first epoch that reaches it, with
+    that epoch's weights; an unreachable one trains every epoch and keeps the best epoch's weights."""
+    from capslib import data, train
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 2, 4, 4, generator=g)
+    y = (x[:, 0, 0, 0] > 0).long()
+    split = data.Split(x, y)
+
+    def run(target, epochs):
+        torch.manual_seed(0)
+        net = ch05.PoseMLP(2, 2, 8)
+        e, acc = ch05.train_to_match(net, split, ch05.cross_entropy_step, target, val=split, epochs=epochs,
+                                     batch_size=32, lr=1e-2, seed=0)
+        return net, e, acc
+
+    net, e, acc = run(0.0, 5)
+    assert e == 1 and acc == pytest.approx(train.evaluate(net, split))
+    net, e, acc = run(2.0, 4)                                                  # never reached: the best of 4
+    torch.manual_seed(0)
+    h = train.fit(ch05.PoseMLP(2, 2, 8), split, ch05.cross_entropy_step, epochs=4, batch_size=32, lr=1e-2, val=split,
+                  seed=0, progress=False)
+    assert acc == max(h["val_acc"]) and e == h["val_acc"].index(acc) + 1
+    assert acc == pytest.approx(train.evaluate(net, split))

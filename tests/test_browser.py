@@ -15,7 +15,8 @@ A page fails on
   them), or a request that leaves loopback;
 - an interactive figure (``div.animation``: the frame player of matplotlib's ``to_jshtml`` or of
   ``capslib.book.widgets``: an ``<img>`` and an ``<input type=range>``) whose slider, moved to each
-  position in turn, does not change the displayed image's ``src``;
+  position in turn, does not change the displayed image's ``src``, or whose frame there does not load (a
+  player's frames other than its first are files under ``_static/frames/``, loaded on demand);
 - a menu that does not open: at 400 px the chapter list is hidden until the primary-sidebar toggle
   is clicked, and must then be visible inside the viewport; at 1280 px it must be visible, and the
   toggle must hide it;
@@ -304,18 +305,28 @@ IMAGES = """() => {
   });
 }"""
 
-MOVE_SLIDERS = """() => {
+MOVE_SLIDERS = """async () => {
+  // each slider moved to every position: the image must change, and the frame it shows must load (a player's
+  // frames other than the first are files loaded on demand)
+  const loaded = (img) => new Promise(done => {
+    if (img.complete) { done(); return; }
+    const t = setTimeout(done, 5000);
+    img.addEventListener('load', () => { clearTimeout(t); done(); }, {once: true});
+    img.addEventListener('error', () => { clearTimeout(t); done(); }, {once: true});
+  });
   const out = [];
-  document.querySelectorAll('div.animation').forEach((div, k) => {
+  const players = Array.from(document.querySelectorAll('div.animation'));
+  for (let k = 0; k < players.length; k++) {
+    const div = players[k];
     const img = div.querySelector('img');
     const slider = div.querySelector('input[type=range]');
-    if (!img || !slider) { out.push({k: k, problem: 'no <img> or no range slider in div.animation'}); return; }
+    if (!img || !slider) { out.push({k: k, problem: 'no <img> or no range slider in div.animation'}); continue; }
     const lo = parseInt(slider.min || '0', 10), hi = parseInt(slider.max || '0', 10);
     const label = (div.querySelector('label') || div).textContent.trim().slice(0, 60);
-    if (!(hi > lo)) { out.push({k: k, label: label, problem: `slider has one position (min ${lo}, max ${hi})`}); return; }
+    if (!(hi > lo)) { out.push({k: k, label: label, problem: `slider has one position (min ${lo}, max ${hi})`}); continue; }
     const start = slider.value;
     const seen = [img.src];
-    const stuck = [];
+    const stuck = [], broken = [];
     for (let v = lo; v <= hi; v++) {
       if (String(v) === String(slider.value)) continue;
       const before = img.src;
@@ -323,12 +334,15 @@ MOVE_SLIDERS = """() => {
       slider.dispatchEvent(new Event('input', {bubbles: true}));
       slider.dispatchEvent(new Event('change', {bubbles: true}));
       if (img.src === before) stuck.push(v);
+      await loaded(img);
+      if (!img.naturalWidth) broken.push(v);
       seen.push(img.src);
     }
     slider.value = start;
     slider.dispatchEvent(new Event('input', {bubbles: true}));
-    out.push({k: k, label: label, positions: hi - lo + 1, distinct: new Set(seen).size, stuck: stuck});
-  });
+    await loaded(img);
+    out.push({k: k, label: label, positions: hi - lo + 1, distinct: new Set(seen).size, stuck: stuck, broken: broken});
+  }
   return out;
 }"""
 
@@ -500,6 +514,9 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
             elif fig["stuck"]:
                 problems.append(f"interactive figure {fig['k'] + 1} {fig['label']!r}: the image does not change "
                                 f"at slider positions {fig['stuck']} of {fig['positions']}")
+            if fig.get("broken"):
+                problems.append(f"interactive figure {fig['k'] + 1} {fig['label']!r}: no frame loads at slider "
+                                f"positions {fig['broken']} of {fig['positions']}")
         images = pg.evaluate(IMAGES)
         bad = _legibility(images, base, page)
         if width == WIDTHS[0]:

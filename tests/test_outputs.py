@@ -156,3 +156,26 @@ def test_stray_value_check_tells_an_echo_from_a_table():
     printed = {"output_type": "stream", "name": "stdout", "text": "16\n"}
     nb = {"cells": [{"cell_type": "code", "outputs": [echo]}, {"cell_type": "code", "outputs": [table, printed]}]}
     assert stray_values(nb) == ["cell 0: '16'"]
+
+
+def test_every_player_loads_frames_that_exist_and_no_frame_folder_is_orphaned(tmp_path):
+    """The players of the committed notebooks load their frames from ``book/_static/frames/<digest>/``: every file
+    they name exists (and is a PNG), and every folder there is loaded by some player (a re-executed chapter leaves
+    its old folder behind; ``capslib.tools.reproduce`` removes it, and so does :func:`prune_frames`)."""
+    from capslib.tools import reproduce
+
+    frames = BOOK / "_static" / "frames"
+    named = {m.group(0) for path in BOOK.rglob("*.ipynb") for m in reproduce.FRAME_FILE.finditer(path.read_text())}
+    missing = sorted(f for f in named if not (BOOK / "_static" / f).is_file())
+    assert not missing, f"players name frames that are not in book/_static: {missing[:5]}"
+    assert all((BOOK / "_static" / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in named)
+    folders = {p.name for p in frames.iterdir() if p.is_dir()} if frames.is_dir() else set()
+    orphans = sorted(folders - reproduce.referenced_frames())
+    assert not orphans, f"frame folders no player loads (python -m capslib.tools.reproduce prunes them): {orphans}"
+    # prune_frames keeps the folders a notebook names and removes the others
+    book = tmp_path / "book"
+    (book / "_static" / "frames" / "0123456789abcdef").mkdir(parents=True)
+    (book / "_static" / "frames" / "fedcba9876543210").mkdir()
+    (book / "a.ipynb").write_text('{"x": "frames/0123456789abcdef/0.png"}')
+    assert reproduce.prune_frames(book) == ["fedcba9876543210"]
+    assert [p.name for p in (book / "_static" / "frames").iterdir()] == ["0123456789abcdef"]

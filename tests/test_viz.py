@@ -10,6 +10,12 @@ import torch
 from capslib.book import viz
 
 
+@pytest.fixture(autouse=True)
+def _frames_out_of_the_book(monkeypatch, tmp_path):
+    """The players these tests make write their frames into a temporary folder, never into the book."""
+    monkeypatch.setenv("CAPSBOOK_FRAMES_DIR", str(tmp_path / "frames-of-the-tests"))
+
+
 def test_tile_places_each_image():
     imgs = torch.arange(6, dtype=torch.float32).view(6, 1, 1, 1).expand(6, 1, 2, 3).contiguous()
     m = viz.tile(imgs, ncol=4, pad=1, fill=-1)
@@ -39,15 +45,18 @@ def _draw_calls():
     return draw, calls
 
 
-def test_interactive_figure_player_and_live_widget(monkeypatch):
+def test_interactive_figure_player_and_live_widget(monkeypatch, tmp_path):
     """The page's player holds one distinct frame per slider value, starts at the slider's value and
-    labels each frame; the live widget redraws with the value a reader sets."""
+    labels each frame; the live widget redraws with the value a reader sets. Without the book's static
+    folder (capslib outside its repository) every frame is inline."""
     import re
 
     import IPython.display
 
     from capslib.book import widgets
 
+    monkeypatch.delenv("CAPSBOOK_FRAMES_DIR", raising=False)
+    monkeypatch.setattr(widgets, "FRAMES_DIR", tmp_path / "no-book" / "frames")   # its parent does not exist
     shown, published = [], []
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
     monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: published.append(data))
@@ -77,6 +86,46 @@ def test_interactive_figure_player_and_live_widget(monkeypatch):
     assert calls and calls[-1] == (5, 1.0)
     live.children[1].value = 0.5
     assert calls[-1] == (5, 0.5)
+    matplotlib.pyplot.close("all")
+
+
+def test_player_frames_are_files_loaded_on_demand(monkeypatch, tmp_path):
+    """In the book's repository the page carries the start frame only (inline); every frame is a file under
+    the static folder, named by the frames' digest, listed in the player's data and written whole; a second
+    player with the same frames reuses the folder."""
+    import json
+    import re
+
+    import IPython.display
+
+    from capslib.book import widgets
+
+    static = tmp_path / "_static"
+    static.mkdir()
+    monkeypatch.delenv("CAPSBOOK_FRAMES_DIR", raising=False)
+    monkeypatch.setattr(widgets, "FRAMES_DIR", static / "frames")
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    monkeypatch.setattr(IPython.display, "publish_display_data", lambda data: None)
+    draw, _ = _draw_calls()
+    for _ in range(2):
+        widgets.interactive_figure(draw, iteration=(1, 4, 1, 2), names={"iteration": "routing iteration r"})
+    page = shown[0].data
+    assert page.count("data:image/png;base64,") == 1
+    files = json.loads(re.search(r'<script type="application/json">(.*?)</script>', page).group(1))["files"]
+    folders = list((static / "frames").iterdir())
+    assert len(folders) == 1 and [f"frames/{folders[0].name}/{k}.png" for k in range(4)] == files
+    pngs = [(static / f).read_bytes() for f in files]
+    assert len(set(pngs)) == 4 and all(widgets.png_size(p)[0] > 100 for p in pngs)
+    start = re.search(r'<img src="data:image/png;base64,([^"]+)"', page).group(1)
+    assert base64.b64decode(start) == pngs[1]                    # the inline start frame is the file's frame
+    assert widgets.frame_digest(pngs) == folders[0].name and not list(folders[0].glob(".*"))
+    with pytest.raises(ValueError, match="one file per frame"):
+        widgets.player_html(pngs, ["a", "b", "c", "d"], 0, "t", files=files[:2])
+    # an execution whose outputs do not go back into the book writes its frames where $CAPSBOOK_FRAMES_DIR says
+    monkeypatch.setenv("CAPSBOOK_FRAMES_DIR", str(tmp_path / "elsewhere" / "_static" / "frames"))
+    assert widgets.write_frames(pngs) == files
+    assert (tmp_path / "elsewhere" / "_static" / files[0]).read_bytes() == pngs[0]
     matplotlib.pyplot.close("all")
 
 

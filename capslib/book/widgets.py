@@ -6,7 +6,11 @@
   first, or the one named by ``frames=``), each figure is saved as a PNG, and a small HTML player
   (an ``<img>``, a range slider and the value shown beside it) steps through them with a few lines
   of JavaScript and no kernel. Every frame is a full redraw, so its titles and labels are those of
-  its own value. Without JavaScript the page still shows the frame at the control's start value;
+  its own value. The start frame travels inline in the page (so the page shows it without JavaScript
+  and without a second request); the others are files under ``book/_static/frames/<digest>/``, which
+  the book publishes beside its pages and the player loads only when the slider reaches them (a page
+  does not carry every frame of its sliders). Where capslib runs outside the book's repository (no
+  ``book/_static``), every frame is inlined instead;
 * **in a running notebook**, the live ipywidgets controls (all of them), which call ``draw``
   again on every change. They are published as a widget view alone, with no plain-text
   fallback, and the book's configuration does not render widget views
@@ -23,6 +27,8 @@ import hashlib
 import html
 import io
 import itertools
+import os
+from pathlib import Path
 from typing import Callable
 
 import matplotlib.pyplot as plt
@@ -30,6 +36,10 @@ import matplotlib.pyplot as plt
 from . import viz
 from .viz import FIGURE_DPI  # CSS pixels per inch of a figure on the page (matplotlib's figure.dpi)
 
+# where the frames of the book's players are written: the book's static folder, published with the pages;
+# $CAPSBOOK_FRAMES_DIR elsewhere (the executions whose outputs do not go back into the book: make test's nbval
+# runs, make spread, make book's staged copy)
+FRAMES_DIR = Path(__file__).resolve().parents[2] / "book" / "_static" / "frames"
 last_live = None         # the live controls of the latest interactive figure (for tests and scripts)
 FRAME_DPI = 200          # frames are retina PNGs, like the book's inline figures (capslib.setup)
 MAX_FRAMES = 60
@@ -120,37 +130,86 @@ def png_size(data: bytes) -> tuple[int, int]:
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
+def frame_digest(pngs: list[bytes]) -> str:
+    """The name of a player's frame folder: a digest of its frames, in order."""
+    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pngs)).hexdigest()[:16]
+
+
+def write_frames(pngs: list[bytes], root: Path | None = None) -> list[str] | None:
+    """Write a player's frames as ``<root>/<digest>/<k>.png`` (``root`` default ``$CAPSBOOK_FRAMES_DIR``, else
+    :data:`FRAMES_DIR`) and return
+    their paths relative to the book's static folder (``frames/<digest>/<k>.png``); ``None`` when the folder
+    above ``root`` does not exist (capslib used outside the book's repository: the player inlines its frames).
+    Files already there with the same digest are kept; each file is written whole (a temporary name, then
+    renamed), so a reader of the folder never sees half a frame."""
+    if root is None and os.environ.get("CAPSBOOK_FRAMES_DIR"):
+        root = Path(os.environ["CAPSBOOK_FRAMES_DIR"])
+        root.mkdir(parents=True, exist_ok=True)
+    root = FRAMES_DIR if root is None else Path(root)
+    if not root.parent.is_dir():
+        return None
+    digest = frame_digest(pngs)
+    folder = root / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, data in enumerate(pngs):
+        path = folder / f"{k}.png"
+        if path.is_file() and path.read_bytes() == data:
+            continue
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return [f"frames/{digest}/{k}.png" for k in range(len(pngs))]
+
+
+# The player's script: the start frame is the <img>'s inline source; any other frame is ``frames.src[k]``
+# (inline) or the file ``frames.files[k]`` under the book's static folder, found beside the page's capsbook.js
+# (the published book) or, in a notebook served by Jupyter, through its /files/ route. A frame that cannot be
+# loaded says so beside the slider.
+_SCRIPT = (
+    "(function(){var root=document.getElementById('%s');"
+    "var frames=JSON.parse(root.querySelector('script[type=\"application/json\"]').textContent);"
+    "var img=root.querySelector('img'),slider=root.querySelector('input'),out=root.querySelector('output');"
+    "var first=img.getAttribute('src'),start=parseInt(slider.value,10);"
+    "function base(){var s=document.querySelector('script[src*=\"capsbook.js\"]');"
+    "if(s){return s.src.replace(/capsbook[.]js[^/]*$/,'');}"
+    "var m=location.pathname.match(/^(.*?)[/](?:lab[/]tree|doc[/]tree|notebooks|tree)[/](.*[/])?[^/]*$/);"
+    "return m?m[1]+'/files/'+(m[2]||'')+'_static/':'_static/';}"
+    "function src(k){if(k===start){return first;}return frames.files?base()+frames.files[k]:frames.src[k];}"
+    "function show(){var k=parseInt(slider.value,10);img.src=src(k);out.textContent=frames.labels[k];"
+    "img.alt=frames.title+': '+frames.labels[k];}"
+    "img.addEventListener('error',function(){out.textContent=frames.labels[parseInt(slider.value,10)]+"
+    "' (this frame could not be loaded here; the book\\'s page or the live controls show it)';});"
+    "slider.addEventListener('input',show);})();")
+
+
 def player_html(pngs: list[bytes], labels: list[str], start: int, title: str,
-                smallest_text_px: float | None = None) -> str:
-    """A self-contained HTML player: the frame at ``start`` shown, a range slider to move.
-    ``smallest_text_px`` (the smallest text of any frame as it appears in the book's column) is
-    kept in the player's ``data-smallest-text-px`` for ``tests/test_outputs.py``."""
+                smallest_text_px: float | None = None, files: list[str] | None = None) -> str:
+    """An HTML player: the frame at ``start`` shown (inline), a range slider to move. The other frames are
+    ``files`` (paths under the book's static folder, from :func:`write_frames`) loaded when the slider reaches
+    them, or, without ``files``, inlined too. ``smallest_text_px`` (the smallest text of any frame as it appears
+    in the book's column) is kept in the player's ``data-smallest-text-px`` for ``tests/test_outputs.py``."""
     if len(pngs) != len(labels) or not 0 <= start < len(pngs):
         raise ValueError("expected one label per frame and a start index among them")
+    if files is not None and len(files) != len(pngs):
+        raise ValueError(f"expected one file per frame; got {len(files)} files for {len(pngs)} frames")
     # shown at the figure's size in CSS pixels (the frames are drawn at FRAME_DPI / FIGURE_DPI times it)
     css_width = round(png_size(pngs[start])[0] * FIGURE_DPI / FRAME_DPI)
     uid = f"capsbook-player-{next(_ids)}-{hashlib.sha256(b''.join(pngs[:1])).hexdigest()[:8]}"
-    sources = [f"data:image/png;base64,{base64.b64encode(p).decode()}" for p in pngs]
-    script = (
-        "(function(){var root=document.getElementById('%s');"
-        "var frames=JSON.parse(root.querySelector('script[type=\"application/json\"]').textContent);"
-        "var img=root.querySelector('img'),slider=root.querySelector('input'),out=root.querySelector('output');"
-        "function show(){var k=parseInt(slider.value,10);img.src=frames.src[k];out.textContent=frames.labels[k];"
-        "img.alt=frames.title+': '+frames.labels[k];}"
-        "slider.addEventListener('input',show);})();" % uid)
+    inline = lambda p: f"data:image/png;base64,{base64.b64encode(p).decode()}"   # noqa: E731
+    frames = {"files": files} if files is not None else {"src": [inline(p) for p in pngs]}
     import json
 
-    data = json.dumps({"src": sources, "labels": labels, "title": title}).replace("</", "<\\/")
+    data = json.dumps({**frames, "labels": labels, "title": title}).replace("</", "<\\/")
     return (
         f'<div class="animation capsbook-player" id="{uid}"'
         + (f' data-smallest-text-px="{smallest_text_px:.2f}"' if smallest_text_px is not None else "") + ">"
-        f'<img src="{sources[start]}" alt="{html.escape(title)}: {html.escape(labels[start])}" '
+        f'<img src="{inline(pngs[start])}" alt="{html.escape(title)}: {html.escape(labels[start])}" '
         f'width="{css_width}" style="max-width:100%;height:auto">'
         f'<div class="anim-controls"><label>{html.escape(title)} '
         f'<input type="range" class="anim-slider" min="0" max="{len(pngs) - 1}" step="1" value="{start}"></label> '
         f'<output>{html.escape(labels[start])}</output></div>'
         f'<script type="application/json">{data}</script>'
-        f"<script>{script}</script></div>")
+        f"<script>{_SCRIPT % uid}</script></div>")
 
 
 def _publish_live(widget) -> None:
@@ -209,7 +268,7 @@ def interactive_figure(draw: Callable, frames: str | None = None, names: dict[st
     sizes = [t["smallest_px"] for t in texts if t["smallest_px"] is not None]
     title = names[knob] + (" (" + ", ".join(f"{names[k]} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
     display(HTML(player_html(pngs, [f"{names[knob]} = {v}" for v in values], start, title,
-                             smallest_text_px=min(sizes) if sizes else None)))
+                             smallest_text_px=min(sizes) if sizes else None, files=write_frames(pngs))))
 
     def show(**values):
         draw(**values)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -83,6 +84,27 @@ def stage(into: Path) -> Path:
         if (BOOK / folder).is_dir():
             shutil.copytree(BOOK / folder, into / "book" / folder)
     return into / "book"
+
+
+FRAME_FILE = re.compile(r"frames/([0-9a-f]{16})/\d+[.]png")
+
+
+def referenced_frames(book: Path = BOOK) -> set[str]:
+    """The frame folders (digests) that the players in ``book``'s notebooks load."""
+    return {m.group(1) for path in book.rglob("*.ipynb") for m in FRAME_FILE.finditer(path.read_text())}
+
+
+def prune_frames(book: Path = BOOK) -> list[str]:
+    """Remove the frame folders under ``book/_static/frames`` that no notebook loads any more (a re-executed
+    player writes its frames under a new digest); returns their names."""
+    root = book / "_static" / "frames"
+    if not root.is_dir():
+        return []
+    keep = referenced_frames(book)
+    gone = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in keep)
+    for name in gone:
+        shutil.rmtree(root / name)
+    return gone
 
 
 def execute(path: Path, profile: str, timeout: int | None = None, env: dict | None = None) -> tuple[bool, float, object]:
@@ -210,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training from scratch: checkpoints in {fresh.relative_to(ROOT)}", flush=True)
     if a.into is not None:
         staged = stage(a.into)
-        env = {"CAPSBOOK_RESULTS": str(staged / "results")}
+        env = {"CAPSBOOK_RESULTS": str(staged / "results"), "CAPSBOOK_FRAMES_DIR": str(staged / "_static" / "frames")}
         failed = 0
         for path in paths:
             copy = staged / path.name
@@ -233,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             nbformat.write(nb, out / path.name)
             print(f"FAILED {path.name} after {seconds:.0f} s; executed copy in {out / path.name}", flush=True)
             failed += 1
+    gone = prune_frames()
+    if gone:
+        print(f"removed {len(gone)} frame folder(s) that no player loads any more", flush=True)
     return 1 if failed else 0
 
 

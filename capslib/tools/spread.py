@@ -62,7 +62,8 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell
     """Execute ``notebooks`` in order at ci under ``seed`` and ``threads``; their logged claims."""
     tag = f"spread-s{seed}-t{threads}"
     env = dict(os.environ, CAPSBOOK_PROFILE="ci", CAPSBOOK_PROGRESS="0", CAPSBOOK_SEED=str(seed), CAPSBOOK_THREADS=str(threads),
-               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CAPSBOOK_TAG=tag)
+               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CAPSBOOK_TAG=tag,
+               CAPSBOOK_FRAMES_DIR=str(workdir / tag / "_static" / "frames"))   # players' frames stay out of the book
     env.pop("CAPSBOOK_SMOKE", None)
     out = {}
     try:

@@ -29,8 +29,12 @@ A page fails on
   3.7 for a retina PNG at dpi 200. The dpi is read from the PNG's pHYs chunk (matplotlib writes
   it); a PNG without one counts as dpi 100 (matplotlib's default), an SVG as 96 (CSS pixels, its
   sizes are in points). The rule is enforced at both widths (``LEGIBLE_AT``): at 400 px the page's
-  script ``book/_static/capsbook.js`` keeps each output image at least 1/1.75 of its declared width
-  and lets its output area scroll sideways, so a phone shows figures legibly rather than whole;
+  script ``book/_static/capsbook.js`` keeps each output image at least 1/1.33 of its declared width
+  and lets its output area scroll sideways, so a phone shows figures legibly rather than whole. A
+  chapter's figure (an output image with a declared width) is held to more: ``tests/test_outputs.py``
+  measured its smallest text at 12 px or more at its width (or the 688-px column's), so shown
+  ``rendered`` px wide it is ``12 * rendered / min(declared, 688)`` px high, which must be at least
+  ``MIN_OUTPUT_TEXT_PX`` = 9 px at both widths;
 - at 1280 px, an output column narrower than ``capslib.book.viz.COLUMN_PX`` (688 px): every figure's
   smallest text is measured for that column (``tests/test_outputs.py``, at least 9 pt there);
 - what a reader sees cut: a page wider than the viewport (it scrolls sideways as a whole), a display
@@ -68,6 +72,8 @@ HEIGHT = 900
 LEGIBLE_AT = WIDTHS
 FIGURE_FONT_PT = 8.0
 MIN_FONT_PX = 6.0
+MIN_OUTPUT_TEXT_PX = 9.0      # a chapter's figure: its smallest text at least this high at either width
+COLUMN_PX_OF_FIGURES = 688    # capslib.book.viz.COLUMN_PX (tested equal below)
 DEFAULT_DPI = 100.0
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -198,6 +204,16 @@ def test_helpers_without_a_browser():
     assert 1.8 < max_scale(100) < 1.9
     with pytest.raises(ValueError, match="dpi must be positive"):
         max_scale(0)
+    # a chapter's figure: 12 px text where it is drawn at its width (or the column's), in proportion below it; the
+    # phone's script keeps it at least 1 / 1.33 of its declared width, which keeps that text 9 px high
+    from capslib.book import viz
+    assert COLUMN_PX_OF_FIGURES == viz.COLUMN_PX
+    assert output_text_px(500, 500) == viz.MIN_TEXT_PX and output_text_px(1000, 688) == viz.MIN_TEXT_PX
+    assert output_text_px(600, 300) == pytest.approx(viz.MIN_TEXT_PX / 2)
+    shrink = float(re.search(r"MAX_SHRINK = ([\d.]+)", (ROOT / "book" / "_static" / "capsbook.js").read_text()).group(1))
+    assert output_text_px(688, 688 / shrink) >= MIN_OUTPUT_TEXT_PX
+    with pytest.raises(ValueError, match="widths must be positive"):
+        output_text_px(0, 10)
     assert raw_tex(r"the norm \frac{a}{b} of") and raw_tex("so $$x$$") and raw_tex(r"where $x_i$ is")
     assert raw_tex(r"\begin{aligned} a") and raw_tex(r"in \mathbb{R}^n")
     assert raw_tex("costs $5 and $6 today") is None and raw_tex("plain prose, no math") is None
@@ -300,7 +316,9 @@ IMAGES = """() => {
     const box = img.closest('div.cell_output, div.output');
     const cs = box ? getComputedStyle(box) : null;
     const column = box ? box.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) : 0;
+    const declared = parseFloat(img.getAttribute('width')) || 0;
     return {src: img.currentSrc || img.src, natural: img.naturalWidth, rendered: r.width, column: column,
+            declared: box ? declared : 0,
             complete: img.complete, animation: !!img.closest('div.animation'), section: section.slice(0, 60)};
   });
 }"""
@@ -400,10 +418,32 @@ def _image_bytes(src: str, base: str) -> bytes | None:
     return None
 
 
+def output_text_px(declared: float, rendered: float) -> float:
+    """The smallest text of a chapter's figure as drawn, in CSS px: tests/test_outputs.py holds every figure's
+    smallest text to at least ``viz.MIN_TEXT_PX`` when the figure is shown at its declared width, or scaled down to
+    the ``viz.COLUMN_PX`` column if it is wider; shown ``rendered`` px wide, it shrinks in proportion."""
+    from capslib.book import viz
+
+    if not declared > 0 or not rendered > 0:
+        raise ValueError(f"output_text_px: widths must be positive, got {declared!r} and {rendered!r}")
+    return viz.MIN_TEXT_PX * rendered / min(declared, viz.COLUMN_PX)
+
+
 def _legibility(images: list[dict], base: str, page: str) -> list[tuple[str, str, float, float]]:
-    """(page, image, ratio, allowed) for each image scaled below its legible size."""
+    """(page, image, ratio, allowed) for each image scaled below its legible size: a chapter's figure (an output
+    image with a declared width) whose smallest text falls below ``MIN_OUTPUT_TEXT_PX``; any other image by the
+    font-size rule of the module's docstring."""
     bad = []
     for im in images:
+        if im.get("declared") and im["rendered"]:
+            text = output_text_px(im["declared"], im["rendered"])
+            if text < MIN_OUTPUT_TEXT_PX - 0.05:
+                name = "frame player image" if im["src"].startswith("data:") else im["src"].rsplit("/", 1)[-1]
+                # reported as a ratio against the largest that keeps the text legible
+                ratio = min(im["declared"], COLUMN_PX_OF_FIGURES) / im["rendered"]
+                bad.append((page, f"{name} (section {im['section']!r}; smallest text {text:.1f} px)", ratio,
+                            ratio * text / MIN_OUTPUT_TEXT_PX))
+            continue
         if not im["rendered"] or not im["natural"] or im["natural"] <= im["rendered"] + 0.5:
             continue
         data = _image_bytes(im["src"], base)

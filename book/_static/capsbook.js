@@ -1,9 +1,10 @@
-// Figures stay legible on narrow screens. A figure is drawn for the page's column; where the column
-// is narrower (a phone), the browser would shrink it until its tick labels are a few pixels high.
-// Instead, an output image never shrinks below 1 / MAX_SHRINK of its figure size (the width its
-// output declares, else its natural width), and its output area scrolls sideways.
+// Figures stay legible on narrow screens. A figure is drawn for the page's column, its smallest text at
+// least 12 px there (tests/test_outputs.py); where the column is narrower (a phone), the browser would
+// shrink it until its tick labels are a few pixels high. Instead, an output image never shrinks below
+// 1 / MAX_SHRINK of its figure size (the width its output declares, else its natural width), so its
+// smallest text stays at least 9 px high, and its output area scrolls sideways.
 (function () {
-  var MAX_SHRINK = 1.75;
+  var MAX_SHRINK = 1.33;
   function keepLegible(img) {
     var declared = parseFloat(img.getAttribute("width")) || parseFloat(img.style.width) || img.naturalWidth;
     if (!declared) return;

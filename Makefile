@@ -166,15 +166,17 @@ units: $(STAMP)
 
 # per master: _build/assignments/<name>/student/ (hand out) and autograder/<name>-autograder.zip
 # (otter run or Gradescope; capslib travels inside it). GRADING_SECRET=... seeds the hidden tests'
-# inputs (kept out of the command line's echo); unset, each zip gets a fresh random secret
+# inputs (kept out of the command line's echo); unset, each zip gets a fresh random secret.
+# VARIANTS=N also builds variants 1..N-1 of every master that declares them (student-v<k>/ to hand out,
+# solved-v<k>/ for the instructor; the one zip grades each submission by the variant its metadata names)
 # make ta-export SUBMISSIONS="<folders, notebooks or otter zips>" [OUT=_build/ta] [ANONYMOUS=1]: the
 # hand-graded questions of every submission as HTML pages for teaching assistants (capslib.tools.ta_export)
 ta-export: $(STAMP)
 	$(PY) -m capslib.tools.ta_export $(SUBMISSIONS) --out $(or $(OUT),_build/ta) $(if $(ANONYMOUS),--anonymous)
 
 assignments: $(STAMP)
-	@echo "$(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments"
-	@GRADING_SECRET='$(GRADING_SECRET)' $(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments
+	@echo "$(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments --variants $(or $(VARIANTS),1)"
+	@GRADING_SECRET='$(GRADING_SECRET)' $(PY) -m capslib.tools.grading build book/assignments/*.ipynb --out _build/assignments --variants $(or $(VARIANTS),1)
 
 # the HTML book without exercise solutions (sphinx-exercise's hide_solutions) and without the chapters'
 # functions that answer an assignment (the masters' book_answers), in _build/student/_build/html; the

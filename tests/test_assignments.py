@@ -520,7 +520,7 @@ def otter_built(tmp_path_factory):
     """The assignment graded through otter's runner, built once: (master, out, zip)."""
     master = next(m for m in MASTERS if m.stem == OTTER_GRADED)
     out = tmp_path_factory.mktemp("otter_built")
-    return master, out, grading.build(master, out)
+    return master, out, grading.build(master, out, variants=1 + len(grading.variants_of(master)))
 
 
 def test_otter_grades_the_zip(tmp_path, otter_built):
@@ -772,3 +772,85 @@ def test_assignments_page_lists_every_master_with_its_points():
         points = [int(re.search(r"points: (\d+)", c.source).group(1)) for c in nb.cells
                   if c.cell_type == "raw" and c.source.startswith("# BEGIN QUESTION")]
         assert listed == points, (master.stem, listed, points)
+
+
+# ----------------------------------------------------------------------------- per-student variants
+
+VARIANT_MASTERS = [m for m in MASTERS if grading.variants_of(m)]
+
+
+def test_some_assignments_declare_variants_and_bad_ones_are_refused(tmp_path):
+    assert {m.stem for m in VARIANT_MASTERS} >= {"a1_squash_and_margin", "a6_parse_tree_entropy"}
+    master = VARIANT_MASTERS[0]
+    with pytest.raises(ValueError, match="variant"):
+        grading.variant_master(master, len(grading.variants_of(master)) + 1, tmp_path / "x.ipynb")
+    with pytest.raises(ValueError, match="asked for"):
+        grading.build(master, tmp_path / "out", variants=2 + len(grading.variants_of(master)))
+    # a replacement that no longer matches the master is an error, not a silent copy of the master
+    nb = nbformat.read(master, as_version=4)
+    nb.cells[0].source = nb.cells[0].source.replace("replace:\n", "replace:\n            - [\"no such text\", \"x\"]\n", 1)
+    stale = tmp_path / master.name
+    nbformat.write(nb, stale)
+    with pytest.raises(ValueError, match="occurs in no cell"):
+        grading.variant_master(stale, 1, tmp_path / "v1.ipynb")
+
+
+@pytest.mark.parametrize("master", VARIANT_MASTERS, ids=[m.stem for m in VARIANT_MASTERS])
+def test_each_variant_is_answered_by_its_own_solution_and_not_by_the_masters(master, tmp_path):
+    """A build with variants: each variant's student notebook says which it is, its tests travel in the one zip, its
+    own solution earns every point of them, and the master's solution (a neighbour's answer) loses points on them:
+    the variants differ in what the answers must be."""
+    n = 1 + len(grading.variants_of(master))
+    out = tmp_path / "out"
+    grading.build(master, out, variants=n)
+    cfg = _config(out)
+    assert sorted(cfg["variant_tests"]) == [str(k) for k in range(1, n)] and "variants" not in cfg
+    masters_env: dict = {"__name__": "__submission__"}
+    with grading.guarded(cfg["guard"], tests_dir=str(out / "autograder" / "tests")):
+        _exec_cells(_code_cells(master), masters_env, "master")
+    for k in range(1, n):
+        assert (out / f"solved-v{k}" / master.name).is_file()
+        student = out / f"student-v{k}" / master.name
+        assert nbformat.read(student, as_version=4).metadata[grading.VARIANT_KEY] == k
+        assert not (set(_code_cells(student)) & set(cfg["variant_tests"][str(k)].values()))
+        tests_dir = tmp_path / f"tests-v{k}"
+        tests_dir.mkdir()
+        for q, text in cfg["variant_tests"][str(k)].items():
+            (tests_dir / f"{q}.py").write_text(text)
+        env: dict = {"__name__": "__submission__"}
+        with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+            _exec_cells(_code_cells(grading.variant_master(master, k, tmp_path / f"v{k}" / master.name)), env,
+                        f"variant {k}")
+            own = _grade(tests_dir, env)
+            neighbour = _grade(tests_dir, masters_env)
+        assert all(r["score"] == r["possible"] for r in own.values()), own
+        lost = {q for q in own if neighbour[q]["score"] < own[q]["score"]}
+        assert lost, f"variant {k}: the master's own solution earns every point of the variant's tests"
+    assert nbformat.read(out / "student" / master.name, as_version=4).metadata[grading.VARIANT_KEY] == 0
+
+
+def test_the_plugin_grades_by_the_variant_the_notebook_names():
+    from capslib.tools.grading_plugin import NoDelegation
+    plugin = NoDelegation(None, None, {"guard": ["capslib.squash"], "variant_tests": {"1": {"q1": "v1 tests"}}})
+    plugin.tests = {"q1": "master tests"}
+    plugin.choose_variant(0)
+    assert plugin.tests == {"q1": "master tests"} and plugin.unknown_variant is None
+    plugin.choose_variant(1)
+    assert plugin.tests == {"q1": "v1 tests"} and plugin.variant == 1
+    plugin.choose_variant(7)
+    assert plugin.unknown_variant == 7
+
+
+def test_otter_grades_a_variant_by_its_metadata(tmp_path, otter_built):
+    """Through otter's runner: the solved notebook of variant 1 earns every point, which it can only do if the
+    zip grades it by variant 1's tests (its answers differ from the master's on the questions the variant
+    changes)."""
+    master, out, zip_path = otter_built
+    if not grading.variants_of(master):
+        pytest.skip(f"{master.stem} declares no variant")
+    solved = tmp_path / master.name
+    solved.write_bytes((out / "solved-v1" / master.name).read_bytes())
+    assert nbformat.read(solved, as_version=4).metadata[grading.VARIANT_KEY] == 1
+    results = _otter_grade(solved, zip_path)
+    auto = {q: r for q, r in results.items() if r["possible"]}
+    assert auto and all(r["score"] == r["possible"] for r in auto.values()), results

@@ -513,6 +513,72 @@ def delegates(config: dict) -> dict[str, str]:
     return pairs
 
 
+# ----------------------------------------------------------------------------- per-student variants
+
+VARIANT_KEY = "capsbook_variant"   # a student notebook's metadata: the variant it was handed out as
+
+
+def variants_of(master: str | Path) -> list[dict]:
+    """The variants a master declares beside ``guard`` (``variants:``, a list of ``{name, replace}``, each
+    ``replace`` a list of ``[text in the master, text in this variant]`` pairs); variant 0, the master as
+    written, is not listed. A variant changes what the answer must be (a constant, a convention, a unit),
+    in the questions' text, the solutions and the tests alike."""
+    import nbformat
+    import yaml
+
+    nb = nbformat.read(str(master), as_version=4)
+    head = next((c for c in nb.cells if c.cell_type == "raw" and c.source.startswith("# ASSIGNMENT CONFIG")), None)
+    if head is None:
+        raise ValueError(f"{master}: no '# ASSIGNMENT CONFIG' cell")
+    cfg = yaml.safe_load(head.source)
+    entry = [p[_PLUGIN] for p in cfg.get("plugins", []) if isinstance(p, dict) and _PLUGIN in p]
+    found = (entry[0] or {}).get("variants", []) if entry else []
+    for k, v in enumerate(found, start=1):
+        pairs = v.get("replace") if isinstance(v, dict) else None
+        if not isinstance(v, dict) or not str(v.get("name", "")).strip() or not pairs or not all(
+                isinstance(pr, list) and len(pr) == 2 and all(isinstance(t, str) and t for t in pr) for pr in pairs):
+            raise ValueError(f"{master}: variant {k} must be {{name: ..., replace: [[old, new], ...]}}; got {v!r}")
+    return found
+
+
+def variant_master(master: str | Path, k: int, dest: str | Path) -> Path:
+    """Write variant ``k`` of ``master`` to ``dest``: every ``replace`` pair of the variant applied to every cell
+    but the configuration (each pair must change at least one cell, so a variant cannot silently go stale as the
+    master changes), and ``k`` in the notebook's metadata (``capsbook_variant``). ``k = 0``: the master itself."""
+    import nbformat
+
+    nb = nbformat.read(str(master), as_version=4)
+    if k:
+        found = variants_of(master)
+        if not 1 <= k <= len(found):
+            raise ValueError(f"{Path(master).name} declares {len(found)} variant(s) besides the master; got {k}")
+        for old, new in found[k - 1]["replace"]:
+            hits = 0
+            for cell in nb.cells:
+                if cell.cell_type == "raw" and cell.source.startswith("# ASSIGNMENT CONFIG"):
+                    continue
+                if old in cell.source:
+                    hits += 1
+                    cell.source = cell.source.replace(old, new)
+            if not hits:
+                raise ValueError(f"{Path(master).name}, variant {k} ({found[k - 1]['name']}): {old!r} occurs in "
+                                 f"no cell of the master")
+    nb.metadata[VARIANT_KEY] = k
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(dest))
+    return dest
+
+
+def _mark_variant(notebook: Path, k: int) -> None:
+    import nbformat
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    if nb.metadata.get(VARIANT_KEY) != k:
+        nb.metadata[VARIANT_KEY] = k
+        nbformat.write(nb, str(notebook))
+
+
 # ----------------------------------------------------------------------------- building the package
 
 def autograder_zip(out: str | Path) -> Path:
@@ -523,8 +589,14 @@ def autograder_zip(out: str | Path) -> Path:
     return zips[0]
 
 
-def build(master: str | Path, out: str | Path, secret: str | None = None) -> Path:
+def build(master: str | Path, out: str | Path, secret: str | None = None, variants: int = 1) -> Path:
     """Otter Assign on one master into ``out`` (``student/``, ``autograder/``), and a zip that grades.
+
+    ``variants`` > 1 also builds variants 1 .. variants - 1 of the master (:func:`variants_of`): each has its own
+    student folder, ``student-v<k>/`` (its notebook marked with the variant in its metadata), its solved notebook in
+    ``solved-v<k>/`` (for the instructor, like ``autograder/``'s), and its tests travel
+    in the one zip (in the plugin's configuration, ``variant_tests``), which grades a submission by the tests of the
+    variant its metadata names.
 
     ``secret`` seeds the hidden tests' inputs (:func:`hidden_generator`); it is written into the
     zip's ``otter_config.json`` (never into the student folder). None: a fresh random secret, so each
@@ -543,9 +615,27 @@ def build(master: str | Path, out: str | Path, secret: str | None = None) -> Pat
     master, out = Path(master).resolve(), Path(out).resolve()
     if not master.is_file() or master.suffix != ".ipynb":
         raise ValueError(f"master must be an otter master notebook (.ipynb); got {master}")
+    if not isinstance(variants, int) or variants < 1:
+        raise ValueError(f"variants must be an int >= 1; got {variants!r}")
+    declared = len(variants_of(master))
+    if variants - 1 > declared:
+        raise ValueError(f"{master.name} declares {declared} variant(s) besides the master; {variants} asked for")
     if out.exists():
         shutil.rmtree(out)
     otter_assign(str(master), str(out), no_pdfs=True)
+    _mark_variant(out / "student" / master.name, 0)
+    variant_tests: dict[str, dict[str, str]] = {}
+    for k in range(1, variants):   # each variant assigned on its own; its student folder and its tests kept
+        work = out / "variants" / f"v{k}"
+        otter_assign(str(variant_master(master, k, work / "master" / master.name)), str(work / "built"),
+                     no_pdfs=True)
+        shutil.move(str(work / "built" / "student"), str(out / f"student-v{k}"))
+        (out / f"solved-v{k}").mkdir()            # the variant's solved notebook, for the instructor
+        shutil.move(str(work / "built" / "autograder" / master.name), str(out / f"solved-v{k}" / master.name))
+        _mark_variant(out / f"solved-v{k}" / master.name, k)
+        _mark_variant(out / f"student-v{k}" / master.name, k)
+        variant_tests[str(k)] = {p.stem: p.read_text() for p in sorted((work / "built" / "autograder" / "tests").glob("q*.py"))}
+    shutil.rmtree(out / "variants", ignore_errors=True)
     made = sorted((out / "autograder").glob("*-autograder_*.zip"))
     if len(made) != 1:
         raise RuntimeError(f"otter assign did not write one autograder zip for {master.name} "
@@ -557,7 +647,7 @@ def build(master: str | Path, out: str | Path, secret: str | None = None) -> Pat
     elif not isinstance(secret, str) or not secret.strip():
         raise ValueError(f"secret must be a non-empty string; got {secret!r}")
     config_text = _scan_config(out / "autograder" / "otter_config.json", out / "student" / master.name,
-                               master.stem, secret)
+                               master.stem, secret, variant_tests)
     with zipfile.ZipFile(target) as zf:   # the zip's otter_config.json gets the scan's configuration too
         entries = [(info, zf.read(info)) for info in zf.infolist()]
     with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_DEFLATED) as zf:
@@ -572,9 +662,10 @@ def build(master: str | Path, out: str | Path, secret: str | None = None) -> Pat
     return target
 
 
-def _scan_config(config_path: Path, student: Path, stem: str, secret: str) -> str:
-    """Add the static scan's settings and the grading secret to NoDelegation's entry in ``config_path``;
-    the new JSON text.
+def _scan_config(config_path: Path, student: Path, stem: str, secret: str,
+                 variant_tests: dict[str, dict[str, str]] | None = None) -> str:
+    """Add the static scan's settings, the grading secret and the variants' tests (``variant_tests``: variant ->
+    question -> test file text) to NoDelegation's entry in ``config_path``; the new JSON text.
 
     ``allowed_imports``: the capslib imports in the student notebook's code (what the assignment hands
     out); ``no_autograd``: :data:`capslib.tools.grading_scan.NO_AUTOGRAD` for this assignment.
@@ -594,6 +685,9 @@ def _scan_config(config_path: Path, student: Path, stem: str, secret: str) -> st
     entries[0][_PLUGIN]["no_autograd"] = list(NO_AUTOGRAD.get(stem, ()))
     entries[0][_PLUGIN]["secret"] = secret
     entries[0][_PLUGIN].pop("book_answers", None)   # the student edition's business, not the grader's
+    entries[0][_PLUGIN].pop("variants", None)       # the build's business: the grader gets their tests
+    if variant_tests:
+        entries[0][_PLUGIN]["variant_tests"] = variant_tests
     text = json.dumps(cfg, indent=2)
     config_path.write_text(text)
     return text
@@ -724,6 +818,9 @@ def _main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="otter assign each master into OUT/<master name>/")
     b.add_argument("masters", nargs="+")
     b.add_argument("--out", required=True)
+    b.add_argument("--variants", type=int, default=int(os.environ.get("VARIANTS") or 1),
+                   help="build this many variants of each master that declares them (default: $VARIANTS, else 1: "
+                        "the master only); a master with fewer declared variants builds all it has")
     b.add_argument("--secret", default=os.environ.get("GRADING_SECRET") or None,
                    help="seeds the hidden tests' inputs (default: $GRADING_SECRET, else a fresh random secret "
                         "per assignment); written into each autograder zip only")
@@ -749,8 +846,11 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     for m in args.masters:
         dest = Path(args.out) / Path(m).stem
-        zip_path = build(m, dest, args.secret)
-        print(f"{m} -> {dest}/student (hand out), {zip_path} (upload to Gradescope or grade with otter run)")
+        n = min(args.variants, 1 + len(variants_of(m)))
+        zip_path = build(m, dest, args.secret, variants=n)
+        handouts = f"{dest}/student" + "".join(f", {dest}/student-v{k}" for k in range(1, n))
+        print(f"{m} -> {handouts} (hand out{', one variant per student' if n > 1 else ''}), {zip_path} "
+              f"(upload to Gradescope or grade with otter run)")
     return 0
 
 

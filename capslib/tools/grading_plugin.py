@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from capslib.tools.grading import _guard_names
+from capslib.tools.grading import VARIANT_KEY, _guard_names
 
 try:  # otter is in the lock; the fallback lets the docs import this module without it
     from otter.plugins import AbstractOtterPlugin
@@ -46,8 +46,10 @@ class NoDelegation(AbstractOtterPlugin):
       autograded question.
 
     Configuration beside ``guard`` (written by :func:`capslib.tools.grading.build`, from the master):
-    ``allowed_imports``, the capslib import statements the assignment hands out, and ``no_autograd``, the graded
-    functions whose question forbids autograd.
+    ``allowed_imports``, the capslib import statements the assignment hands out, ``no_autograd``, the graded
+    functions whose question forbids autograd, and, for a build with variants, ``variant_tests`` (variant ->
+    question -> test file): a submission whose notebook metadata names variant ``k`` (``capsbook_variant``) is
+    graded by variant ``k``'s tests; one that names a variant the zip does not hold scores 0 on every question.
     """
 
     def __init__(self, submission_path, submission_metadata, plugin_config):
@@ -62,6 +64,9 @@ class NoDelegation(AbstractOtterPlugin):
         # rewrite the copies on disk); the fresh-process grading uses these
         self.tests = _read_tests(Path(submission_path).parent / "tests") if submission_path else {}
         self.process = None   # the fresh grading process, started in before_execution
+        self.variant_tests = plugin_config.get("variant_tests", {}) or {}
+        self.variant = 0
+        self.unknown_variant = None
 
     def scan(self, cells: list[str]) -> None:
         from capslib.tools.grading_scan import scan_cells
@@ -80,9 +85,20 @@ class NoDelegation(AbstractOtterPlugin):
             self.scan([submission])
             return source + "\n" + submission
         import nbformat
+        self.choose_variant(submission.metadata.get(VARIANT_KEY, 0))
         self.scan([c.source for c in submission.cells if c.cell_type == "code"])
         submission.cells.insert(0, nbformat.v4.new_code_cell(source))
         return submission
+
+    def choose_variant(self, k) -> None:
+        """Grade by the tests of variant ``k`` (the submission's metadata): the zip's own files for 0, the
+        configuration's ``variant_tests`` for another the zip holds; any other value is remembered and scores 0."""
+        if k in (0, None, "0"):
+            return
+        if str(k) in self.variant_tests:
+            self.variant, self.tests = int(k), dict(self.variant_tests[str(k)])
+        else:
+            self.unknown_variant = k
 
     def affected(self, tests: dict[str, set[str]]) -> dict[str, list[str]]:
         """Question -> the findings' text that zero it, given each question's names used by its tests."""
@@ -130,6 +146,10 @@ class NoDelegation(AbstractOtterPlugin):
     def after_grading(self, results):
         if self.tests:
             self.regrade(results)
+        if self.unknown_variant is not None:
+            self.zero_all(results, f"the submission names variant {self.unknown_variant!r}, which this autograder "
+                                   f"does not hold (variants 0-{len(self.variant_tests)})")
+            return
         if not self.findings:
             return
         from otter.test_files.abstract_test import TestCase, TestCaseResult
@@ -149,6 +169,17 @@ class NoDelegation(AbstractOtterPlugin):
         text = "\n\n".join(lines)
         results.set_output(text if not results.output else results.output + "\n\n" + text)
         results.set_plugin_data("capslib.tools.grading.NoDelegation", {q: list(t) for q, t in affected.items()})
+
+
+    def zero_all(self, results, reason: str) -> None:
+        """Every question scores 0, with ``reason`` in its report."""
+        from otter.test_files.abstract_test import TestCase, TestCaseResult
+        for q, tf in results.results.items():
+            tf.test_case_results.append(TestCaseResult(
+                test_case=TestCase(name="variant", body="", hidden=False, points=0, success_message=None,
+                                   failure_message=None), message=reason, passed=False))
+            results.update_score(q, 0)
+        results.set_output(reason if not results.output else results.output + "\n\n" + reason)
 
 
 def _read_tests(folder: Path) -> dict[str, str]:

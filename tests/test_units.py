@@ -444,6 +444,18 @@ def test_comparison_tables_gain_a_paper_scale_column_from_the_committed_units(ma
         assert U.select([ps.prefix]), key
 
 
+def test_a_paper_scale_cell_says_which_of_a_rows_numbers_it_gives(main_smoke, monkeypatch):
+    monkeypatch.setattr(U, "RESULTS_ROOT", main_smoke)
+    monkeypatch.setitem(U.PAPER_SCALE, "a row of two numbers", U.PaperScale("02/main", lambda m: m["test_error"], ".2%",
+                                                                              "test error"))
+    err = U.load(U.get("02/main/s0"), smoke=True)["metrics"]["test_error"]
+    assert U.paper_scale_cell(None, smoke=True, quantity="a row of two numbers") == f"test error {err:.2%} (1 of 3 seeds)"
+    # chapters 3, 4 and 7 declare rows too, now that their comparison tables have units behind them
+    U._load_chapters()
+    prefixes = {ps.prefix.split("/")[0] for ps in U.PAPER_SCALE.values()}
+    assert {"02", "03", "04", "05", "06", "07"} <= prefixes
+
+
 def test_every_row_declared_for_the_paper_scale_column_is_a_row_of_a_committed_comparison_table():
     """A row keyed by its quantity (no paper number) must match a row the chapters' tables print, or its
     paper-scale cell would silently go missing when a label changes."""

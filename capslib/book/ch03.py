@@ -417,6 +417,18 @@ def _register_units() -> None:
 _register_units()
 
 
+def _declare_paper_scale() -> None:
+    """The row of the chapter's comparison table that the main units measure (no paper number: the slides
+    report none)."""
+    from .units import paper_scale
+
+    paper_scale(f"MNIST test accuracy, M = {UNIT_MAIN_ROUTES}", f"03/routes/M{UNIT_MAIN_ROUTES}",
+                lambda m: m["test_accuracy"], ".4f", row=True)
+
+
+_declare_paper_scale()
+
+
 # ----------------------------------------------------------------------------- the chapter's paper-scale views
 
 #: the variants as a reader sees them in tables and sentences (plain text: no TeX outside figures)

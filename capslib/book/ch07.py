@@ -356,6 +356,22 @@ def _register() -> None:
 _register()
 
 
+def _declare_paper_scale() -> None:
+    """The rows of the chapter's comparison table that the units measure: Hauser's recipe (the chapter's main
+    run) for the autoencoder's and the capsules' reconstructions, the run with both changes for the experts'
+    division of the digits."""
+    from .units import paper_scale
+
+    paper_scale("autoencoder test MSE", "07/experts/hauser", lambda m: m["autoencoder_test_mse"], ".4f", row=True)
+    paper_scale("image MSE through PoE capsules and U", "07/experts/hauser", lambda m: m["reconstruction_mse"], ".4f",
+                row=True)
+    paper_scale("experts divide the training digits (centred inputs, sparsity term)", "07/experts/both",
+                lambda m: m["division"]["purity"], ".2f", row=True, what="winner purity")
+
+
+_declare_paper_scale()
+
+
 # ----------------------------------------------------------------------------- the chapter's paper-scale views
 
 VARIANT_LABELS = {"hauser": "as printed (uncentred)", "centred": "centred inputs", "sparsity": "sparsity term",

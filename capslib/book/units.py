@@ -473,10 +473,12 @@ def banner_html(groups: list[Group]) -> str | None:
 @dataclass(frozen=True)
 class PaperScale:
     """The paper-scale counterpart of one of a paper's numbers: the units under ``prefix``, the value each
-    result holds (``metric(result["metrics"])``) and its format."""
+    result holds (``metric(result["metrics"])``), its format, and, where the row shows several numbers, the
+    words that say which one the cell gives (``what``)."""
     prefix: str
     metric: Callable[[dict], float]
     fmt: str
+    what: str = ""
 
 
 # paper key (book/paper_results.yml) or, for a row with no paper number, the row's quantity as the chapter's
@@ -484,11 +486,12 @@ class PaperScale:
 PAPER_SCALE: dict[str, PaperScale] = {}
 
 
-def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str, row: bool = False) -> None:
+def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str, row: bool = False,
+                what: str = "") -> None:
     """Declare that the units under ``prefix`` measure the paper's number ``key`` (with ``row``: the
     quantity of a comparison row that has no paper number, named exactly as the chapter's table names it):
     the comparison tables of the chapters (:func:`capslib.book.results.paper_vs_book`) then show it in
-    their paper-scale column."""
+    their paper-scale column, after ``what`` where the row holds several numbers."""
     from . import paper
 
     if not row and not paper.is_key(key):
@@ -499,7 +502,7 @@ def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str
         raise ValueError(f"paper_scale: {key!r} is declared twice")
     if not callable(metric) or not isinstance(fmt, str):
         raise ValueError("paper_scale: metric must be callable and fmt a format string")
-    PAPER_SCALE[key] = PaperScale(prefix, metric, fmt)
+    PAPER_SCALE[key] = PaperScale(prefix, metric, fmt, what)
 
 
 def paper_scale_cell(key, smoke: bool = False, quantity: str | None = None) -> str | None:
@@ -517,7 +520,8 @@ def paper_scale_cell(key, smoke: bool = False, quantity: str | None = None) -> s
     values = [float(ps.metric(r["metrics"])) for r in g.results]
     if not values:
         return "not yet run"
-    return f"{seed_spread(values, ps.fmt)} ({len(values)} of {declared} seeds)"
+    cell = f"{seed_spread(values, ps.fmt)} ({len(values)} of {declared} seeds)"
+    return f"{ps.what} {cell}" if ps.what else cell
 
 
 # ----------------------------------------------------------------------------- helpers the chapters' units share

@@ -452,6 +452,9 @@ def _declare_paper_scale() -> None:
     for T in UNIT_ITERATIONS:
         paper_scale(f"MNIST test error, {T} iteration(s)", f"05/iterations/constant/T{T}", lambda m: m["test_error"],
                     ".2%", row=True)
+    far = VIEWPOINT_ANGLES[-1]
+    paper_scale(f"digits turned {far}° (never seen), error: EM / matched CNN", "05/main",
+                lambda m: 1 - m["viewpoint"][str(far)], ".1%", row=True, what="EM")
 
 
 _declare_paper_scale()

@@ -307,6 +307,7 @@ def test_bundle_carries_notebooks_without_outputs(tmp_path):
         names = tar.getnames()
         nb = json.load(tar.extractfile("book/02_dynamic_routing.ipynb"))
     assert "capslib/book/units.py" in names and "capslib/tools/experiments.py" in names
+    assert not any(n.startswith("book/_static/frames/") for n in names)       # outputs, like the notebooks'
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
     assert any("ch02_units" in "".join(c["source"]) for c in code)

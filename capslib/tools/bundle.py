@@ -132,15 +132,21 @@ def stripped_notebook(raw: bytes) -> bytes:
     return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
 
 
+# tracked files the node does not need: the players' frames belong with the executed notebooks' outputs,
+# which the bundle leaves out too
+LEFT_OUT = ("book/_static/frames/",)
+
+
 def write_source(dest: Path) -> None:
-    """The tracked files of the book (git ls-files), as a tar.gz; notebooks without their outputs."""
+    """The tracked files of the book (git ls-files), as a tar.gz; notebooks without their outputs, and without
+    the frame players' frames (:data:`LEFT_OUT`)."""
     import io
 
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
     with tarfile.open(dest, "w:gz") as tar:
         for f in filter(None, files):
             path = ROOT / f.decode()
-            if not path.is_file():
+            if not path.is_file() or f.decode().startswith(LEFT_OUT):
                 continue
             if path.suffix == ".ipynb":
                 data = stripped_notebook(path.read_bytes())

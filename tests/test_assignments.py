@@ -812,6 +812,8 @@ def test_each_variant_is_answered_by_its_own_solution_and_not_by_the_masters(mas
         assert (out / f"solved-v{k}" / master.name).is_file()
         student = out / f"student-v{k}" / master.name
         assert nbformat.read(student, as_version=4).metadata[grading.VARIANT_KEY] == k
+        # a student notebook says nothing of the other variants (the configuration with its pairs stays behind)
+        assert "variants:" not in student.read_text() and "replace:" not in student.read_text()
         assert not (set(_code_cells(student)) & set(cfg["variant_tests"][str(k)].values()))
         tests_dir = tmp_path / f"tests-v{k}"
         tests_dir.mkdir()
@@ -827,6 +829,7 @@ def test_each_variant_is_answered_by_its_own_solution_and_not_by_the_masters(mas
         lost = {q for q in own if neighbour[q]["score"] < own[q]["score"]}
         assert lost, f"variant {k}: the master's own solution earns every point of the variant's tests"
     assert nbformat.read(out / "student" / master.name, as_version=4).metadata[grading.VARIANT_KEY] == 0
+    assert "replace:" not in (out / "student" / master.name).read_text()
 
 
 def test_the_plugin_grades_by_the_variant_the_notebook_names():

@@ -30,8 +30,9 @@ from .units import Unit, built_in_float64, cuda_speed_settings, encode_array, re
 # schedule) against a two-layer perceptron of width turn_mlp_width on the flattened part poses, which stops at its
 # first epoch (of at most turn_mlp_epochs, Adam at turn_mlp_lr) whose accuracy on turn_val familiar validation
 # objects reaches the EM layer's (the paper's matched-accuracy protocol; its best epoch if none does). turn_far: the
-# angle the verdicts read, turn_margin: the margin of practical equivalence of the accuracy lost there, declared
-# before the runs; turn_seeds seeds sess.seed + k.
+# angle the verdicts read (not a quarter or half turn, which leave EM's cost unchanged by construction), turn_margin:
+# the margin of practical equivalence of the accuracy lost there (set after prototype runs of these seeds; every
+# verdict of the page is the same for any margin from 0.01 to 0.8); turn_seeds seeds sess.seed + k.
 WORLD = dict(world_classes=5, world_parts=8, world_outliers=0.3, world_noise=0.05, world_train=2000, world_test=1000,
              world_epochs=5, world_lr=1e-2, world_batch=32, world_init_std=0.5, world_seeds=3,
              turn_familiar=60, turn_angles=(0, 30, 60, 90, 120, 150, 180), turn_far=150, turn_iterations=2,

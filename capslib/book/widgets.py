@@ -137,11 +137,10 @@ def frame_digest(pngs: list[bytes]) -> str:
 
 def write_frames(pngs: list[bytes], root: Path | None = None) -> list[str] | None:
     """Write a player's frames as ``<root>/<digest>/<k>.png`` (``root`` default ``$CAPSBOOK_FRAMES_DIR``, else
-    :data:`FRAMES_DIR`) and return
-    their paths relative to the book's static folder (``frames/<digest>/<k>.png``); ``None`` when the folder
-    above ``root`` does not exist (capslib used outside the book's repository: the player inlines its frames).
-    Files already there with the same digest are kept; each file is written whole (a temporary name, then
-    renamed), so a reader of the folder never sees half a frame."""
+    :data:`FRAMES_DIR`) and return their paths relative to the book's static folder (``frames/<digest>/<k>.png``);
+    ``None`` when the folder above ``root`` does not exist (capslib used outside the book's repository: the player
+    inlines its frames). Files already there with the same bytes are kept; each file is written whole (a
+    temporary name, then renamed), so a reader of the folder never sees half a frame."""
     if root is None and os.environ.get("CAPSBOOK_FRAMES_DIR"):
         root = Path(os.environ["CAPSBOOK_FRAMES_DIR"])
         root.mkdir(parents=True, exist_ok=True)

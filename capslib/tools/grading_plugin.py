@@ -170,7 +170,6 @@ class NoDelegation(AbstractOtterPlugin):
         results.set_output(text if not results.output else results.output + "\n\n" + text)
         results.set_plugin_data("capslib.tools.grading.NoDelegation", {q: list(t) for q, t in affected.items()})
 
-
     def zero_all(self, results, reason: str) -> None:
         """Every question scores 0, with ``reason`` in its report."""
         from otter.test_files.abstract_test import TestCase, TestCaseResult

@@ -857,3 +857,40 @@ def test_otter_grades_a_variant_by_its_metadata(tmp_path, otter_built):
     results = _otter_grade(solved, zip_path)
     auto = {q: r for q, r in results.items() if r["possible"]}
     assert auto and all(r["score"] == r["possible"] for r in auto.values()), results
+
+
+# ----------------------------------------------------------------------------- planted bugs
+
+# A plausible bug per assignment, planted in the master's solution (question, text in the solution, the bug): each
+# passes every public test of its question and must fail a hidden one (issue 35: the hidden tests earn their keep).
+PLANTED = {
+    "a1_squash_and_margin": ("q1", "torch.sqrt(n2 + 1e-20))", "torch.sqrt(n2))"),                    # 0/0 at s = 0
+    "a2_routing_by_agreement": ("q1", "u_route = u_hat.detach() if detach else u_hat", "u_route = u_hat"),
+    "a3_soft_routing_gradients": ("q1", 'raise ValueError(f"{name} holds NaN or infinite values")', "pass"),
+    "a4_coupling_gradient": ("q1", "lam = float(logit_scale)", "lam = 1.0"),                          # scale ignored
+    "a5_em_routing": ("q1", "w = rp / S.clamp_min(eps).unsqueeze(1)", "w = rp / S.unsqueeze(1)"),   # 0/0, silent
+    "a6_parse_tree_entropy": ("q1", ".clamp(0, levels - 1).long()", ".long()"),                        # no clamp
+    "a7_products_of_expert_capsules": ("q1", "-torch.log1p((z * z).sum(dim=-1))", "-torch.log(1 + (z * z).sum(dim=-1))"),
+}
+
+
+def test_every_assignment_has_a_planted_bug():
+    assert set(PLANTED) == {m.stem for m in MASTERS}
+
+
+def test_a_planted_bug_passes_the_public_tests_and_fails_a_hidden_one(built):
+    master, out, _ = built
+    q, old, new = PLANTED[master.stem]
+    cfg = _config(out)
+    tests_dir = out / "autograder" / "tests"
+    cells = _code_cells(out / "autograder" / master.name)
+    assert sum(old in c for c in cells) == 1, f"{master.stem}: the bug's text must stand once in the solution"
+    env: dict = {"__name__": "__submission__"}
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+        _exec_cells([c.replace(old, new) for c in cells], env, "planted bug")
+        tf = otter_test_files.ExceptionTestFile.from_file(str((tests_dir / f"{q}.py").resolve()))
+        tf.run(env)
+    cases = [(r.test_case.hidden, r.passed) for r in tf.test_case_results]
+    assert any(not hidden for hidden, _ in cases) and any(hidden for hidden, _ in cases)
+    assert all(passed for hidden, passed in cases if not hidden), f"{master.stem}: a public test catches the bug"
+    assert not all(passed for hidden, passed in cases if hidden), f"{master.stem}: no hidden test catches the bug"

@@ -894,3 +894,51 @@ def test_a_planted_bug_passes_the_public_tests_and_fails_a_hidden_one(built):
     assert any(not hidden for hidden, _ in cases) and any(hidden for hidden, _ in cases)
     assert all(passed for hidden, passed in cases if not hidden), f"{master.stem}: a public test catches the bug"
     assert not all(passed for hidden, passed in cases if hidden), f"{master.stem}: no hidden test catches the bug"
+
+
+# capslib routines that compute what a question asks under another name (the audit's "unguarded equivalents"):
+# each is guarded too, so a submission that calls it earns nothing on the questions it answers
+EQUIVALENTS = {
+    "a2_routing_by_agreement": {
+        "my_wrong_axis_routing": "import capslib.pitfalls\n"
+                                 "def my_wrong_axis_routing(u_hat, iterations=3):\n"
+                                 "    return capslib.pitfalls.routing(u_hat, iterations, softmax_over='inputs')\n",
+        "my_dynamic_routing": "import capslib.coupling_gradient\n"
+                              "def my_dynamic_routing(u_hat, iterations=3, detach=False):\n"
+                              "    return capslib.coupling_gradient.scaled_routing(u_hat, iterations, 1.0, detach)\n"},
+}
+
+
+@pytest.mark.parametrize("stem", sorted(EQUIVALENTS))
+def test_equivalent_routines_under_other_names_earn_nothing(stem, tmp_path):
+    master = next(m for m in MASTERS if m.stem == stem)
+    out = tmp_path / "out"
+    grading.build(master, out)
+    cfg = _config(out)
+    tests_dir = out / "autograder" / "tests"
+    solved: dict = {"__name__": "__submission__"}
+    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+        _exec_cells(_code_cells(out / "autograder" / master.name), solved, "solution")
+    for fn, src in EQUIVALENTS[stem].items():
+        questions = _questions_using(tests_dir, fn)
+        env = dict(solved)
+        with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+            exec(compile(src, f"<equivalent {fn}>", "exec"), env)
+            grades = _grade(tests_dir, env, only=questions)
+        assert questions and all(g["score"] == 0 for g in grades.values()), (fn, grades)
+        control = dict(solved)
+        exec(compile(src, f"<control {fn}>", "exec"), control)   # without the guard the routine answers
+        assert sum(g["score"] for g in _grade(tests_dir, control, only=questions).values()) > 0, fn
+
+
+def test_the_couplings_with_their_graph_are_guarded_in_assignment_7():
+    master = next(m for m in MASTERS if m.stem == "a7_products_of_expert_capsules")
+    import yaml
+    cfg = yaml.safe_load(nbformat.read(master, as_version=4).cells[0].source)
+    guard = cfg["plugins"][0]["capslib.tools.grading.NoDelegation"]["guard"]
+    assert "capslib.poe._routing_differentiable" in guard
+    import torch
+    import capslib.poe
+    with grading.guarded(guard):
+        with pytest.raises(grading.DelegationError):
+            capslib.poe._routing_differentiable(torch.randn(1, 2, 3, 4), 2, "outputs")

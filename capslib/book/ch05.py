@@ -168,6 +168,26 @@ def world_run(iterations: int, schedule: str, seed: int, cfg, data_sets) -> dict
             "activation, true class": float(act[true].mean()), "activation, other classes": float(act[~true].mean())}
 
 
+@torch.no_grad()
+def world_trace(net: PartWorldNet, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The trained layer's EM routing on ``x`` one iteration at a time (:func:`capslib.em.em_trace`): after each
+    iteration, the mean activation of the true class and of the other classes, and the mean log variance (over the
+    16 pose entries and the examples) of the true class's parent and of the others'. Lists, one entry an
+    iteration."""
+    layer = net.layer
+    B, parts = x.shape[:2]
+    votes_t, a_in = layer.votes(x.view(B, 1, 1, parts, 4, 4), x.new_ones(B, 1, 1, parts))
+    states = em.em_trace(votes_t.flatten(3).transpose(1, 2), a_in, layer.beta_u, layer.beta_a,
+                         iterations=layer.iterations, final_lambda=layer.final_lambda, normalize=layer.normalize,
+                         schedule=layer.schedule)
+    true = torch.nn.functional.one_hot(y, states[0].a.shape[1]).bool()
+    logvar = [st.sigma2.log().mean(-1) for st in states]                       # (B, J) per iteration
+    return {"a_true": [float(st.a[true].mean()) for st in states],
+            "a_other": [float(st.a[~true].mean()) for st in states],
+            "logvar_true": [float(v[true].mean()) for v in logvar],
+            "logvar_other": [float(v[~true].mean()) for v in logvar]}
+
+
 def turn_poses(x: torch.Tensor, degrees: float, seed: int) -> torch.Tensor:
     """Every example of ``x (n, parts, 4, 4)`` seen from a new viewpoint: all its part poses turned in the plane by
     ``degrees``, one way or the other at random (a sign per example, drawn from ``seed``)."""

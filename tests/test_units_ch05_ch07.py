@@ -257,3 +257,20 @@ def test_train_to_match_keeps_the_first_epoch_that_reaches_the_target_or_the_bes
                   seed=0, progress=False)
     assert acc == max(h["val_acc"]) and e == h["val_acc"].index(acc) + 1
     assert acc == pytest.approx(train.evaluate(net, split))
+
+
+def test_world_trace_ends_where_the_trained_layer_ends():
+    """Chapter 5's iteration-by-iteration read-out of a small-world network: one entry per routing iteration, and
+    the last iteration's activations are the network's own output."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(**{**ch05.WORLD, "world_epochs": 1})
+    P = ch05.part_transforms(cfg.world_classes, cfg.world_parts)
+    x, y = ch05.part_pose_world(200, P, cfg.world_outliers, cfg.world_noise, seed=5)
+    net = ch05.world_net(3, "constant", 0, cfg, (x, y))
+    trace = ch05.world_trace(net, x, y)
+    assert all(len(v) == 3 for v in trace.values())
+    with torch.no_grad():
+        act = net.eval()(x).activations
+    true = torch.nn.functional.one_hot(y, cfg.world_classes).bool()
+    assert trace["a_true"][-1] == pytest.approx(float(act[true].mean()), abs=1e-6)
+    assert trace["a_other"][-1] == pytest.approx(float(act[~true].mean()), abs=1e-6)

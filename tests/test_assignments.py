@@ -796,7 +796,7 @@ def test_some_assignments_declare_variants_and_bad_ones_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("master", VARIANT_MASTERS, ids=[m.stem for m in VARIANT_MASTERS])
-def test_each_variant_is_answered_by_its_own_solution_and_not_by_the_masters(master, tmp_path):
+def test_each_variant_is_answered_by_its_own_solution_and_not_by_the_masters(master, tmp_path, solved_master):
     """A build with variants: each variant's student notebook says which it is, its tests travel in the one zip, its
     own solution earns every point of them, and the master's solution (a neighbour's answer) loses points on them:
     the variants differ in what the answers must be."""
@@ -805,9 +805,7 @@ def test_each_variant_is_answered_by_its_own_solution_and_not_by_the_masters(mas
     grading.build(master, out, variants=n)
     cfg = _config(out)
     assert sorted(cfg["variant_tests"]) == [str(k) for k in range(1, n)] and "variants" not in cfg
-    masters_env: dict = {"__name__": "__submission__"}
-    with grading.guarded(cfg["guard"], tests_dir=str(out / "autograder" / "tests")):
-        _exec_cells(_code_cells(master), masters_env, "master")
+    _, _, masters_env = solved_master(master.stem)          # the master's own solution: a neighbour's answer
     for k in range(1, n):
         assert (out / f"solved-v{k}" / master.name).is_file()
         student = out / f"student-v{k}" / master.name
@@ -910,19 +908,12 @@ EQUIVALENTS = {
 
 
 @pytest.mark.parametrize("stem", sorted(EQUIVALENTS))
-def test_equivalent_routines_under_other_names_earn_nothing(stem, tmp_path):
-    master = next(m for m in MASTERS if m.stem == stem)
-    out = tmp_path / "out"
-    grading.build(master, out)
-    cfg = _config(out)
-    tests_dir = out / "autograder" / "tests"
-    solved: dict = {"__name__": "__submission__"}
-    with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
-        _exec_cells(_code_cells(out / "autograder" / master.name), solved, "solution")
+def test_equivalent_routines_under_other_names_earn_nothing(stem, solved_master):
+    guard, tests_dir, solved = solved_master(stem)
     for fn, src in EQUIVALENTS[stem].items():
         questions = _questions_using(tests_dir, fn)
         env = dict(solved)
-        with grading.guarded(cfg["guard"], tests_dir=str(tests_dir)):
+        with grading.guarded(guard, tests_dir=str(tests_dir)):
             exec(compile(src, f"<equivalent {fn}>", "exec"), env)
             grades = _grade(tests_dir, env, only=questions)
         assert questions and all(g["score"] == 0 for g in grades.values()), (fn, grades)

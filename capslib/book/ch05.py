@@ -157,15 +157,18 @@ def world_net(iterations: int, schedule: str, seed: int, cfg, train_set) -> Part
 def world_run(iterations: int, schedule: str, seed: int, cfg, data_sets) -> dict:
     """One class-capsule layer with ``iterations`` EM iterations under ``schedule`` (``"constant"``: the book's
     normalised cost at kappa_final = 1; ``"authors"``: the unnormalised cost at the authors' 0.01), trained on the
-    small world by :func:`capslib.train.fit` with the spread loss (margin 0.2 -> 0.9); its test accuracy, and the
-    mean activation of the true class and of the others on the test examples."""
+    small world by :func:`capslib.train.fit` with the spread loss (margin 0.2 -> 0.9); its test accuracy, the
+    mean activation of the true class and of the others on the test examples, and the network routed one iteration
+    at a time on them (:func:`world_trace`, as ``"<key>, iteration <t>"``)."""
     (x_tr, y_tr), (x_te, y_te) = data_sets
     net = world_net(iterations, schedule, seed, cfg, (x_tr, y_tr))
     with torch.no_grad():
         act = net.eval()(x_te).activations
     true = torch.nn.functional.one_hot(y_te, cfg.world_classes).bool()
+    trace = world_trace(net, x_te, y_te)
     return {"test accuracy": float((act.argmax(1) == y_te).float().mean()),
-            "activation, true class": float(act[true].mean()), "activation, other classes": float(act[~true].mean())}
+            "activation, true class": float(act[true].mean()), "activation, other classes": float(act[~true].mean()),
+            **{f"{key}, iteration {t + 1}": v for key, values in trace.items() for t, v in enumerate(values)}}
 
 
 @torch.no_grad()

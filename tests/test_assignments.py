@@ -200,12 +200,24 @@ def test_tests_take_expected_values_only_from_reference(built):
                 assert f"{prefix}{leaf}(" not in src, f"{p.name} calls {leaf} directly; use reference()"
 
 
-def test_solutions_earn_every_point(built, solved_env):
+def test_solutions_earn_every_point(built, solved_env, monkeypatch):
+    """The master's solutions earn every point, with torch's comparisons and with the ones the grading process
+    uses (through numpy: capslib.tools.grading_fresh.assert_close_numpy and its siblings)."""
+    import torch
+
+    from capslib.tools import grading_fresh
+
     master, out, _ = built
     tests_dir = out / "autograder" / "tests"
     with grading.guarded(_config(out)["guard"], tests_dir=str(tests_dir)):
         grades = _grade(tests_dir, dict(solved_env))
     assert grades and all(g["score"] == g["possible"] > 0 for g in grades.values()), grades
+    monkeypatch.setattr(torch.testing, "assert_close", grading_fresh.assert_close_numpy)
+    monkeypatch.setattr(torch, "allclose", grading_fresh.allclose_numpy)
+    monkeypatch.setattr(torch, "equal", grading_fresh.equal_numpy)
+    with grading.guarded(_config(out)["guard"], tests_dir=str(tests_dir)):
+        through_numpy = _grade(tests_dir, dict(solved_env))
+    assert through_numpy == grades, through_numpy
 
 
 def test_blank_student_version_earns_nothing(built):

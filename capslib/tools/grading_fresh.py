@@ -12,8 +12,10 @@ otter's ``call_func``, rewrite the test files, record a fake result or patch ``a
 3. A fresh Python process (``python -m capslib.tools.grading_fresh``, started by :func:`start`
    before the kernel runs so that importing torch overlaps it) gets the job from :func:`grade`. It writes
    the tests to a new private folder and loads them, installs the delegation guard with the zip's
-   secret, takes a snapshot of the namespaces the tests rely on (torch's and numpy's comparison helpers
-   ``assert_close``, ``equal``, ``allclose``..., ``torch.Tensor``'s methods, ``builtins``, the guard)
+   secret, replaces torch's comparison helpers by versions that compare through numpy
+   (:func:`assert_close_numpy`, :func:`allclose_numpy`, :func:`equal_numpy`: plain ``torch.Tensor`` only),
+   takes a snapshot of the namespaces the tests rely on (those helpers, numpy's
+   ``assert_allclose``..., ``torch.Tensor``'s methods, ``builtins``, the guard)
    and of ``sys.modules``, and only then runs the extracted code. Otter is not imported there (the
    test files' ``test_case`` decorator is replaced by a stand-in; the grading process scores the
    cases with otter's own rules), so otter's ``call_func`` is not the submission's to replace. Every graded
@@ -140,6 +142,110 @@ def _protected() -> list[tuple[Any, dict[str, Any], bool]]:
     out += [(c, dict(vars(c)), True) for c in classes]
     out.append((sys.modules, {m.__name__: m for m in modules}, False))
     return out
+
+
+# ---- the comparisons the tests call, through numpy
+# In the grading process torch's comparison helpers (``torch.testing.assert_close``, ``torch.allclose``,
+# ``torch.equal``) are replaced, before any of the submission runs, by these: each takes plain ``torch.Tensor``s
+# only (a subclass fails), turns them into numpy arrays and compares those with numpy. The snapshot holds these
+# versions, so a patch made by the submission is undone before every test compares.
+
+# torch.testing.assert_close's default (rtol, atol) per dtype; any other dtype compares exactly
+_DEFAULT_TOLERANCES = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float32": (1.3e-6, 1e-5),
+                       "float64": (1e-7, 1e-7), "complex64": (1.3e-6, 1e-5), "complex128": (1e-7, 1e-7)}
+
+
+def _plain(value: Any, what: str) -> Any:
+    """``value`` as a numpy array: a tensor must be exactly ``torch.Tensor``; a number or nested list as is."""
+    import numpy
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor:
+            raise AssertionError(f"{what} is a {type(value).__name__}, a subclass of torch.Tensor: compared only "
+                                 "as a plain tensor")
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            value = value.float()                       # numpy has no bfloat16; the values are kept exactly
+        return value.resolve_conj().resolve_neg().numpy()
+    if isinstance(value, numpy.ndarray) and type(value) is not numpy.ndarray:
+        raise AssertionError(f"{what} is a {type(value).__name__}, a subclass of numpy.ndarray")
+    return numpy.asarray(value)
+
+
+def _dtype_name(value: Any) -> str:
+    import torch
+
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else "float64" \
+        if isinstance(value, float) else "complex128" if isinstance(value, complex) else type(value).__name__
+
+
+def assert_close_numpy(actual: Any, expected: Any, *, rtol: float | None = None, atol: float | None = None,
+                       equal_nan: bool = False, check_dtype: bool = True, msg: Any = None, **_: Any) -> None:
+    """``torch.testing.assert_close`` with its rules (shapes equal, dtypes equal unless ``check_dtype=False``,
+    the dtype's default tolerances, both or neither of ``rtol`` and ``atol``), the values compared by numpy."""
+    import numpy
+    import numpy.testing
+    import torch
+
+    if (rtol is None) != (atol is None):
+        raise ValueError("Both 'rtol' and 'atol' must be either specified or omitted")
+    if isinstance(actual, (list, tuple)) and isinstance(expected, (list, tuple)):
+        if len(actual) != len(expected):
+            raise AssertionError(f"the sequences differ in length: {len(actual)} and {len(expected)}")
+        for a, e in zip(actual, expected):
+            assert_close_numpy(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan, check_dtype=check_dtype, msg=msg)
+        return
+    if isinstance(actual, dict) and isinstance(expected, dict):
+        if set(actual) != set(expected):
+            raise AssertionError(f"the mappings differ in their keys: {sorted(map(str, actual))} and "
+                                 f"{sorted(map(str, expected))}")
+        for k in actual:
+            assert_close_numpy(actual[k], expected[k], rtol=rtol, atol=atol, equal_nan=equal_nan,
+                               check_dtype=check_dtype, msg=msg)
+        return
+    if isinstance(actual, torch.Tensor) != isinstance(expected, torch.Tensor):
+        raise AssertionError(f"expected both inputs to be tensors or both numbers; got {type(actual).__name__} and "
+                             f"{type(expected).__name__}")
+    a, e = _plain(actual, "the value compared"), _plain(expected, "the expected value")
+    if a.shape != e.shape:
+        raise AssertionError(f"the shapes do not match: {tuple(a.shape)} != {tuple(e.shape)}")
+    kinds = _dtype_name(actual), _dtype_name(expected)
+    if check_dtype and kinds[0] != kinds[1]:
+        raise AssertionError(f"the dtypes do not match: {kinds[0]} != {kinds[1]}")
+    if rtol is None:
+        rtol, atol = max((_DEFAULT_TOLERANCES.get(k, (0.0, 0.0)) for k in kinds), key=lambda t: t[0] + t[1])
+    note = "" if msg is None else str(msg)
+    if a.dtype.kind in "biu" and e.dtype.kind in "biu" and rtol == 0 and atol == 0:
+        numpy.testing.assert_array_equal(a, e, err_msg=note)
+        return
+    common = numpy.result_type(a, e, numpy.float64)      # differences taken in double precision (or complex)
+    numpy.testing.assert_allclose(a.astype(common), e.astype(common), rtol=rtol, atol=atol, equal_nan=equal_nan,
+                                  err_msg=note)
+
+
+def allclose_numpy(input: Any, other: Any, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+    """``torch.allclose`` through numpy (plain tensors only)."""
+    import numpy
+
+    return bool(numpy.allclose(_plain(input, "input"), _plain(other, "other"), rtol=rtol, atol=atol, equal_nan=equal_nan))
+
+
+def equal_numpy(input: Any, other: Any) -> bool:
+    """``torch.equal`` through numpy: the same shape and the same values (plain tensors only)."""
+    import numpy
+
+    a, b = _plain(input, "input"), _plain(other, "other")
+    return a.shape == b.shape and bool(numpy.array_equal(a, b))
+
+
+def _compare_through_numpy() -> None:
+    import torch
+    import torch.testing
+
+    torch.testing.assert_close = assert_close_numpy
+    torch.allclose = allclose_numpy
+    torch.equal = equal_numpy
 
 
 _MISSING = object()
@@ -302,7 +408,8 @@ def _run(job: dict) -> dict[str, dict[str, Any]]:
         (folder / f"{q}.py").write_text(text)
     cases = {q: _load_test_file(folder / f"{q}.py") for q in sorted(job["tests"])}
     grading.install(job["guard"], tests_dir=str(folder), secret=job["secret"])
-    snapshot = _protected()   # after the guard is in place, before any of the submission runs
+    _compare_through_numpy()
+    snapshot = _protected()   # after the guard and the comparisons are in place, before any of the submission runs
     env: dict[str, Any] = {"__name__": "__submission__"}
     try:
         exec(compile(job["source"], "<submission>", "exec"), env)

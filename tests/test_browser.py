@@ -29,8 +29,9 @@ A page fails on
   3.7 for a retina PNG at dpi 200. The dpi is read from the PNG's pHYs chunk (matplotlib writes
   it); a PNG without one counts as dpi 100 (matplotlib's default), an SVG as 96 (CSS pixels, its
   sizes are in points). The rule is enforced at both widths (``LEGIBLE_AT``): at 400 px the page's
-  script ``book/_static/capsbook.js`` keeps each output image at least 1/1.33 of its declared width
-  and lets its output area scroll sideways, so a phone shows figures legibly rather than whole. A
+  script ``book/_static/capsbook.js`` shows a figure's phone drawing (capslib.book.reflow: its panels
+  re-laid for a 350-px column) and keeps each output image at least 1/1.33 of its declared width, letting
+  its output area scroll sideways below that; at 400 px no figure may be wider than its column. A
   chapter's figure (an output image with a declared width) is held to more: ``tests/test_outputs.py``
   measured its smallest text at 12 px or more at its width (or the 688-px column's), so shown
   ``rendered`` px wide it is ``12 * rendered / min(declared, 688)`` px high, which must be at least
@@ -316,7 +317,8 @@ IMAGES = """() => {
     const box = img.closest('div.cell_output, div.output');
     const cs = box ? getComputedStyle(box) : null;
     const column = box ? box.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) : 0;
-    const declared = parseFloat(img.getAttribute('width')) || 0;
+    // the width its output declares: a width attribute (players, phone drawings) or myst-nb's inline style
+    const declared = parseFloat(img.getAttribute('width')) || parseFloat(img.style.width) || 0;
     return {src: img.currentSrc || img.src, natural: img.naturalWidth, rendered: r.width, column: column,
             declared: box ? declared : 0,
             complete: img.complete, animation: !!img.closest('div.animation'), section: section.slice(0, 60)};
@@ -418,6 +420,25 @@ def _image_bytes(src: str, base: str) -> bytes | None:
     return None
 
 
+def test_a_figure_wider_than_a_phones_column_fails_unless_it_is_a_diagram(tmp_path):
+    import hashlib
+    import json
+
+    shown = [{"src": "http://x/_images/" + "a" * 64 + ".png", "declared": 715, "column": 350, "rendered": 540,
+              "section": "s"},
+             {"src": "http://x/_static/frames/0123456789abcdef/narrow.png", "declared": 336, "column": 350,
+              "rendered": 336, "section": "s"},
+             {"src": "http://x/_images/" + "b" * 64 + ".png", "declared": 0, "column": 350, "rendered": 900,
+              "section": "s"}]                                # not an output figure: the legibility rule's
+    assert len(_wider_than_column(shown)) == 1 and "540 px in a 350 px column" in _wider_than_column(shown)[0]
+    assert _wider_than_column(shown, frozenset({"a" * 64})) == []
+    png = b"\x89PNG a diagram"
+    out = {"output_type": "display_data", "data": {"image/png": base64.b64encode(png).decode()},
+           "metadata": {"image/png": {"capsbook": {"diagram": True}}}}
+    (tmp_path / "c.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code", "outputs": [out]}]}))
+    assert diagrams(tmp_path) == {hashlib.sha256(png).hexdigest()}
+
+
 def output_text_px(declared: float, rendered: float) -> float:
     """The smallest text of a chapter's figure as drawn, in CSS px: tests/test_outputs.py holds every figure's
     smallest text to at least ``viz.MIN_TEXT_PX`` when the figure is shown at its declared width, or scaled down to
@@ -462,6 +483,40 @@ def _legibility(images: list[dict], base: str, page: str) -> list[tuple[str, str
             name = f"{name} (section {im['section']!r})"
             bad.append((page, name, ratio, allowed))
     return bad
+
+
+@functools.lru_cache(maxsize=None)
+def diagrams(book: Path | None = None) -> frozenset[str]:
+    """The SHA-256 digests (myst-nb's image names) of the committed figures that are diagrams: boxes and labels
+    placed by hand, which ``capslib.book.reflow`` does not re-lay (``reflow.is_diagram``); on a phone such a
+    figure keeps at least 1/1.33 of its size and scrolls sideways inside its output."""
+    import hashlib
+    import json
+
+    book = book or Path(__file__).resolve().parents[1] / "book"
+    found = set()
+    for path in book.glob("*.ipynb"):
+        for cell in json.loads(path.read_text()).get("cells", []):
+            for out in cell.get("outputs", []):
+                meta = out.get("metadata", {}).get("image/png", {}).get("capsbook", {})
+                if meta.get("diagram") and "image/png" in out.get("data", {}):
+                    data = out["data"]["image/png"]
+                    data = "".join(data) if isinstance(data, list) else data
+                    found.add(hashlib.sha256(base64.b64decode(data)).hexdigest())
+    return frozenset(found)
+
+
+def _wider_than_column(images: list[dict], exempt: set[str] = frozenset()) -> list[str]:
+    """On a phone every output figure fits its column whole: a figure with a phone drawing shows that drawing
+    (capslib.book.reflow, swapped in by capsbook.js), and no figure is cut or left to scroll sideways; only the
+    diagrams (``exempt``: see :func:`diagrams`) scroll."""
+    def name(src: str) -> str:
+        return "inline image" if src.startswith("data:") else src.rsplit("/", 1)[-1]
+
+    return [f"figure wider than its column: {name(im['src'])[:40]} (section {im['section']!r}) "
+            f"{im['rendered']:.0f} px in a {im['column']:.0f} px column"
+            for im in images if im.get("declared") and im["column"] and im["rendered"] > im["column"] + 1
+            and name(im["src"]).removesuffix(".png") not in exempt]
 
 
 def _column_problems(images: list[dict]) -> list[str]:
@@ -561,6 +616,8 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
         bad = _legibility(images, base, page)
         if width == WIDTHS[0]:
             problems += _column_problems(images)
+        else:
+            problems += _wider_than_column(images, diagrams())
         info["illegible"] = bad
         if width in LEGIBLE_AT:
             for _, name, ratio, allowed in bad:

@@ -91,7 +91,10 @@ def test_the_leak_patterns_catch_what_they_name():
         assert not any(p.search(fine) for p in LEAKS.values()), fine
 
 
-PLAYER = re.compile(r'<div class="animation capsbook-player"[^>]*?(?: data-smallest-text-px="([\d.]+)")?>')
+PLAYER = re.compile(r'<div class="animation capsbook-player"[^>]*?(?: data-smallest-text-px="([\d.]+)")?'
+                    r'(?: data-narrow-smallest-text-px="([\d.]+)")?>')
+PLAYER_WIDTH = re.compile(r'<img src="data:image/png;base64,[^"]*" alt="[^"]*" width="(\d+)"')
+PLAYER_NARROW = re.compile(r'"narrow": \[([^\]]*)\]')
 
 
 def figure_texts(nb: dict) -> list[tuple[int, str, dict | None]]:
@@ -106,7 +109,15 @@ def figure_texts(nb: dict) -> list[tuple[int, str, dict | None]]:
             page = data.get("text/html")
             page = "".join(page) if isinstance(page, list) else (page or "")
             for m in PLAYER.finditer(page):
-                found.append((index, "player", {"smallest_px": float(m.group(1))} if m.group(1) else None))
+                info = None
+                if m.group(1):
+                    rest = page[m.end():]
+                    width = PLAYER_WIDTH.search(rest)
+                    narrow = PLAYER_NARROW.search(rest.split("</script></div>", 1)[0])
+                    info = {"smallest_px": float(m.group(1)), "width_px": float(width.group(1)) if width else None}
+                    if m.group(2) and narrow:
+                        info.update(narrow_px=float(m.group(2)), narrow_files=re.findall(r'"([^"]+)"', narrow.group(1)))
+                found.append((index, "player", info))
     return found
 
 
@@ -128,6 +139,55 @@ def test_every_figure_is_legible_in_the_column(path):
             shown = f" ({info['smallest_text']!r}, figure {info['width_px']:.0f} px wide)" if "smallest_text" in info else ""
             problems.append(f"cell {index}: {kind} text {info['smallest_px']:.1f} px < {viz.MIN_TEXT_PX:g}{shown}")
     assert not problems, "\n".join(problems)
+
+
+def on_a_phone(info: dict, column_px: float) -> float | None:
+    """The smallest text (CSS px) of a figure that ``info`` measured in the book's column, shown scaled to a
+    ``column_px`` column; None where it has no text."""
+    if info.get("smallest_px") is None or not info.get("width_px"):
+        return None
+    at_width = info["smallest_px"] / min(1.0, viz.COLUMN_PX / info["width_px"])
+    return at_width * min(1.0, column_px / info["width_px"])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_figure_reads_whole_on_a_phone(path):
+    """In a phone's column (``reflow.PHONE_COLUMN_PX``) a figure scaled down to fit would show its smallest text
+    below 12 px. Each such figure (and player) carries its phone drawing (capslib.book.reflow): files that exist
+    under ``book/_static``, no wider than that column, their smallest text at least ``viz.MIN_TEXT_PX`` there.
+    ``book/_static/capsbook.js`` shows them where the column is narrow; tests/test_browser.py checks the page."""
+    from capslib.book import reflow, widgets
+
+    problems = []
+    for index, kind, info in figure_texts(json.loads(path.read_text())):
+        if info is None:
+            continue
+        small = on_a_phone(info, reflow.PHONE_COLUMN_PX)
+        if small is None or small >= viz.MIN_TEXT_PX or info.get("diagram"):
+            continue           # a diagram is not re-laid (reflow.is_diagram): on a phone it scrolls, legible
+        files = [info["narrow"]] if kind == "figure" and info.get("narrow") else info.get("narrow_files", [])
+        if not files or info.get("narrow_px") is None:
+            problems.append(f"cell {index}: a {kind} {small:.1f} px on a phone, without a phone drawing")
+            continue
+        if info["narrow_px"] < viz.MIN_TEXT_PX:
+            problems.append(f"cell {index}: the {kind}'s phone drawing shows text {info['narrow_px']:.1f} px")
+        for f in files:
+            png = BOOK / "_static" / f
+            if not png.is_file():
+                problems.append(f"cell {index}: the {kind}'s phone drawing {f} is not in book/_static")
+            elif widgets.png_size(png.read_bytes())[0] * viz.FIGURE_DPI / widgets.FRAME_DPI > reflow.PHONE_COLUMN_PX + 1:
+                problems.append(f"cell {index}: the {kind}'s phone drawing {f} is wider than a phone's column")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_no_output_is_an_error(path):
+    """No committed output is an error. A cell whose display formatter raised (e.g. while drawing a figure) still
+    counts as executed, so nbclient does not stop there; this does."""
+    nb = json.loads(path.read_text())
+    errors = [f"cell {i}: {o.get('ename')}: {str(o.get('evalue'))[:80]}" for i, c in enumerate(nb["cells"])
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
 
 
 def stray_values(nb: dict) -> list[str]:

@@ -1,25 +1,84 @@
 // Figures stay legible on narrow screens. A figure is drawn for the page's column, its smallest text at
 // least 12 px there (tests/test_outputs.py); where the column is narrower (a phone), the browser would
-// shrink it until its tick labels are a few pixels high. Instead, an output image never shrinks below
-// 1 / MAX_SHRINK of its figure size (the width its output declares, else its natural width), so its
-// smallest text stays at least 9 px high, and its output area scrolls sideways.
+// shrink it until its tick labels are a few pixels high. Two things prevent that:
+// - a figure that has a phone drawing (capslib.book.reflow: its panels re-laid for a column of about 350 px;
+//   the image carries the class capsbook-narrow-<h>, and the drawing is _static/frames/<h>/narrow.png) shows
+//   that drawing wherever its output column is narrower than NARROW_BELOW of the figure's width, at the
+//   drawing's own width (a retina PNG: half its pixel width), and the figure again where the column widens;
+// - an output image never shrinks below 1 / MAX_SHRINK of its figure size (the width its output declares,
+//   else its natural width), so its smallest text stays at least 9 px high; below that its output area
+//   scrolls sideways.
 (function () {
-  var MAX_SHRINK = 1.33;
+  var MAX_SHRINK = 1.33, NARROW_BELOW = 0.8;
+  function base() {
+    var s = document.querySelector('script[src*="capsbook.js"]');
+    return s ? s.src.replace(/capsbook[.]js[^/]*$/, "") : null;
+  }
+  function phoneDrawing(img) {
+    var m = /(?:^|\s)capsbook-narrow-([0-9a-f]{16})(?:\s|$)/.exec(img.className);
+    return m && base() ? base() + "frames/" + m[1] + "/narrow.png" : null;
+  }
+  function declaredWidth(img) {
+    return parseFloat(img.getAttribute("width")) || parseFloat(img.style.width) || img.naturalWidth;
+  }
   function keepLegible(img) {
-    var declared = parseFloat(img.getAttribute("width")) || parseFloat(img.style.width) || img.naturalWidth;
+    var declared = declaredWidth(img);
     if (!declared) return;
     img.style.minWidth = (declared / MAX_SHRINK).toFixed(0) + "px";
     var box = img.closest("div.cell_output, div.output");
     if (box) box.style.overflowX = "auto";
   }
+  // shows the phone drawing or the figure, whichever the column asks for; true when the source changed
+  function choose(img) {
+    var phone = phoneDrawing(img);
+    if (!phone) return false;
+    if (!img.dataset.wideSrc) {
+      img.dataset.wideSrc = img.getAttribute("src");
+      img.dataset.wideWidth = String(declaredWidth(img) || "");
+      img.dataset.wideStyleWidth = img.style.width || "";
+    }
+    var box = img.closest("div.cell_output, div.output") || img.parentElement;
+    var column = box ? box.clientWidth : window.innerWidth;
+    var narrow = column > 0 && column < NARROW_BELOW * parseFloat(img.dataset.wideWidth);
+    var want = narrow ? phone : img.dataset.wideSrc;
+    if (img.getAttribute("src") === want) return false;
+    img.style.minWidth = "";
+    if (narrow) {
+      img.removeAttribute("width");
+      img.style.width = "";
+      img.dataset.phone = "1";
+    } else {
+      img.setAttribute("width", img.dataset.wideWidth);
+      img.style.width = img.dataset.wideStyleWidth;
+      delete img.dataset.phone;
+    }
+    img.src = want;
+    return true;
+  }
+  function loaded(img) {
+    if (img.dataset.phone && img.naturalWidth) img.setAttribute("width", Math.round(img.naturalWidth / 2));
+    keepLegible(img);
+  }
+  // every image load in an output (the figure, its phone drawing, a player's next frame) sizes it again
+  document.addEventListener("load", function (ev) {
+    var img = ev.target;
+    if (img.tagName === "IMG" && img.closest("div.cell_output, div.output")) loaded(img);
+  }, true);
   function all() {
     document.querySelectorAll("div.cell_output img, div.output img").forEach(function (img) {
-      if (img.complete && img.naturalWidth) keepLegible(img);
-      else img.addEventListener("load", function () { keepLegible(img); }, { once: true });
+      if (choose(img)) return;
+      if (img.complete && img.naturalWidth) loaded(img);
     });
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();
+  var lastWidth = window.innerWidth, timer = null;
+  window.addEventListener("resize", function () {
+    if (window.innerWidth === lastWidth) return;
+    lastWidth = window.innerWidth;
+    clearTimeout(timer);
+    timer = setTimeout(all, 150);
+  });
 })();
 
 // Display equations fit their column. Where an equation and its number do not fit side by side, the

@@ -1,6 +1,7 @@
 """``capslib.book.setup()``: seed everything, pick the device, print one line."""
 from __future__ import annotations
 
+import base64
 import ctypes
 import os
 import platform
@@ -146,15 +147,26 @@ def retina_figures() -> bool:
 def _measuring(retina):
     """The PNG formatter ``retina`` with, in the output's metadata, how large the figure's smallest
     text appears in the book's column (``capsbook``: see :func:`capslib.book.viz.text_on_page`);
-    ``tests/test_outputs.py`` holds every committed figure to ``viz.MIN_TEXT_PX``."""
-    from . import viz
+    ``tests/test_outputs.py`` holds every committed figure to ``viz.MIN_TEXT_PX``. A figure too wide to read
+    in a phone's column also gets its phone drawing (:mod:`capslib.book.reflow`), written beside the players'
+    frames; its path and smallest text go into the same metadata (``narrow``, ``narrow_px``), and the book
+    shows it on narrow screens."""
+    from . import reflow, viz, widgets
 
     def png(fig):
         info = viz.text_on_page(fig)
+        phone = reflow.narrow_png(fig) if widgets.phone_figures() else None
+        if reflow.is_diagram(fig):
+            info = {**info, "diagram": True}     # not re-laid for a phone (see reflow.is_diagram)
         out = retina(fig)
         if out is None:
             return None
         data, meta = out if isinstance(out, tuple) else (out, {})
+        if phone is not None:
+            raw = base64.b64decode(data) if isinstance(data, str) else data   # IPython hands the PNG as base64
+            path = widgets.write_narrow(raw, phone[0])
+            if path is not None:
+                info = {**info, "narrow": path, "narrow_px": phone[1]["smallest_px"]}
         return data, {**(meta or {}), "capsbook": info}
 
     png.measures_text = True

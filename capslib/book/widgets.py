@@ -97,10 +97,15 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: list | None = None) -> list[bytes]:
+def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: list | None = None,
+                  narrow: list | None = None) -> list[bytes]:
     """PNG bytes of ``draw(**fixed, knob=value)`` for each value; raises if two frames are equal
     (the knob would not change what the reader sees). ``texts``, if given, receives each frame's
-    :func:`capslib.book.viz.text_on_page` (how large its smallest text appears in the book's column)."""
+    :func:`capslib.book.viz.text_on_page` (how large its smallest text appears in the book's column);
+    ``narrow``, if given, each frame's phone drawing from :func:`capslib.book.reflow.narrow_png`
+    (``(png, text)``, or None for a frame that needs none)."""
+    from . import reflow
+
     if not values:
         raise ValueError(f"no values for the control {knob!r}")
     if len(values) > MAX_FRAMES:
@@ -113,6 +118,8 @@ def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: l
             fig = plt.gcf()
         if texts is not None:
             texts.append(viz.text_on_page(fig, dpi=FIGURE_DPI))
+        if narrow is not None:
+            narrow.append(reflow.narrow_png(fig))
         pngs.append(_png(fig))
     digests = [hashlib.sha256(p).hexdigest() for p in pngs]
     same = [(values[i], values[j]) for i in range(len(values)) for j in range(i + 1, len(values))
@@ -135,73 +142,125 @@ def frame_digest(pngs: list[bytes]) -> str:
     return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pngs)).hexdigest()[:16]
 
 
-def write_frames(pngs: list[bytes], root: Path | None = None) -> list[str] | None:
-    """Write a player's frames as ``<root>/<digest>/<k>.png`` (``root`` default ``$CAPSBOOK_FRAMES_DIR``, else
-    :data:`FRAMES_DIR`) and return their paths relative to the book's static folder (``frames/<digest>/<k>.png``);
-    ``None`` when the folder above ``root`` does not exist (capslib used outside the book's repository: the player
-    inlines its frames). Files already there with the same bytes are kept; each file is written whole (a
-    temporary name, then renamed), so a reader of the folder never sees half a frame."""
+def _frames_root(root: Path | None) -> Path:
     if root is None and os.environ.get("CAPSBOOK_FRAMES_DIR"):
         root = Path(os.environ["CAPSBOOK_FRAMES_DIR"])
         root.mkdir(parents=True, exist_ok=True)
-    root = FRAMES_DIR if root is None else Path(root)
+    return FRAMES_DIR if root is None else Path(root)
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole (a temporary name, then renamed), unless the same bytes are there."""
+    if path.is_file() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def write_frames(pngs: list[bytes], root: Path | None = None, narrow: list[bytes] | None = None) -> list[str] | None:
+    """Write a player's frames as ``<root>/<digest>/<k>.png`` (``root`` default ``$CAPSBOOK_FRAMES_DIR``, else
+    :data:`FRAMES_DIR`) and return their paths relative to the book's static folder (``frames/<digest>/<k>.png``);
+    ``None`` when the folder above ``root`` does not exist (capslib used outside the book's repository: the player
+    inlines its frames). ``narrow``, the same frames drawn for a phone (:mod:`capslib.book.reflow`), go beside them
+    as ``n<k>.png``. Files already there with the same bytes are kept; each file is written whole, so a reader of
+    the folder never sees half a frame."""
+    root = _frames_root(root)
     if not root.parent.is_dir():
         return None
+    if narrow is not None and len(narrow) != len(pngs):
+        raise ValueError(f"expected one narrow frame per frame; got {len(narrow)} for {len(pngs)}")
     digest = frame_digest(pngs)
     folder = root / digest
     folder.mkdir(parents=True, exist_ok=True)
     for k, data in enumerate(pngs):
-        path = folder / f"{k}.png"
-        if path.is_file() and path.read_bytes() == data:
-            continue
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        _write_whole(folder / f"{k}.png", data)
+        if narrow is not None:
+            _write_whole(folder / f"n{k}.png", narrow[k])
     return [f"frames/{digest}/{k}.png" for k in range(len(pngs))]
+
+
+def write_narrow(wide: bytes, narrow: bytes, root: Path | None = None) -> str | None:
+    """Write the phone drawing of a figure whose PNG is ``wide`` as ``<root>/<h>/narrow.png``, ``h`` the first 16
+    hex digits of the wide PNG's SHA-256 (the name myst-nb gives the wide image, so the book finds the pair), and
+    return its path under the book's static folder; None outside the book's repository."""
+    root = _frames_root(root)
+    if not root.parent.is_dir():
+        return None
+    folder = root / hashlib.sha256(wide).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_whole(folder / "narrow.png", narrow)
+    return f"frames/{folder.name}/narrow.png"
+
+
+def phone_figures() -> bool:
+    """Whether figures get their phone drawings (:mod:`capslib.book.reflow`): yes, but in executions whose outputs
+    do not go back into the book (``make test``'s nbval runs, ``make spread``), which set
+    ``$CAPSBOOK_PHONE_FIGURES=0`` to spare the time."""
+    return os.environ.get("CAPSBOOK_PHONE_FIGURES", "1") != "0"
 
 
 # The player's script: the start frame is the <img>'s inline source; any other frame is ``frames.src[k]``
 # (inline) or the file ``frames.files[k]`` under the book's static folder, found beside the page's capsbook.js
-# (the published book) or, in a notebook served by Jupyter, through its /files/ route. A frame that cannot be
-# loaded says so beside the slider.
+# (the published book) or, in a notebook served by Jupyter, through its /files/ route. Where the player is
+# narrower than NARROW_BELOW of its frames' width (a phone) and the frames have phone drawings
+# (``frames.narrow``), it shows those instead, at their own width. A frame that cannot be loaded says so beside
+# the slider.
+NARROW_BELOW = 0.8
 _SCRIPT = (
     "(function(){var root=document.getElementById('%s');"
     "var frames=JSON.parse(root.querySelector('script[type=\"application/json\"]').textContent);"
     "var img=root.querySelector('img'),slider=root.querySelector('input'),out=root.querySelector('output');"
-    "var first=img.getAttribute('src'),start=parseInt(slider.value,10);"
+    "var first=img.getAttribute('src'),start=parseInt(slider.value,10),wide=img.getAttribute('width');"
     "function base(){var s=document.querySelector('script[src*=\"capsbook.js\"]');"
     "if(s){return s.src.replace(/capsbook[.]js[^/]*$/,'');}"
     "var m=location.pathname.match(/^(.*?)[/](?:lab[/]tree|doc[/]tree|notebooks|tree)[/](.*[/])?[^/]*$/);"
     "return m?m[1]+'/files/'+(m[2]||'')+'_static/':'_static/';}"
-    "function src(k){if(k===start){return first;}return frames.files?base()+frames.files[k]:frames.src[k];}"
-    "function show(){var k=parseInt(slider.value,10);img.src=src(k);out.textContent=frames.labels[k];"
+    "function phone(){return !!frames.narrow&&root.clientWidth>0&&root.clientWidth<" + str(NARROW_BELOW) + "*frames.width;}"
+    "function src(k){if(phone()){return base()+frames.narrow[k];}"
+    "if(k===start){return first;}return frames.files?base()+frames.files[k]:frames.src[k];}"
+    "function show(){var k=parseInt(slider.value,10),s=src(k);"
+    "img.setAttribute('width',phone()?frames.narrowWidth:wide);"
+    "if(img.getAttribute('src')!==s){img.src=s;}out.textContent=frames.labels[k];"
     "img.alt=frames.title+': '+frames.labels[k];}"
     "img.addEventListener('error',function(){out.textContent=frames.labels[parseInt(slider.value,10)]+"
     "' (this frame could not be loaded here; the book\\'s page or the live controls show it)';});"
-    "slider.addEventListener('input',show);})();")
+    "slider.addEventListener('input',show);if(frames.narrow){show();"
+    "window.addEventListener('resize',show);}})();")
 
 
 def player_html(pngs: list[bytes], labels: list[str], start: int, title: str,
-                smallest_text_px: float | None = None, files: list[str] | None = None) -> str:
+                smallest_text_px: float | None = None, files: list[str] | None = None,
+                narrow: list[bytes] | None = None, narrow_smallest_text_px: float | None = None) -> str:
     """An HTML player: the frame at ``start`` shown (inline), a range slider to move. The other frames are
     ``files`` (paths under the book's static folder, from :func:`write_frames`) loaded when the slider reaches
     them, or, without ``files``, inlined too. ``smallest_text_px`` (the smallest text of any frame as it appears
-    in the book's column) is kept in the player's ``data-smallest-text-px`` for ``tests/test_outputs.py``."""
+    in the book's column) is kept in the player's ``data-smallest-text-px`` for ``tests/test_outputs.py``.
+    ``narrow`` (the frames' phone drawings, written by :func:`write_frames` as ``n<k>.png`` beside ``files``)
+    are what a player narrower than :data:`NARROW_BELOW` of its frames shows, their smallest text
+    ``narrow_smallest_text_px`` in a phone's column (``data-narrow-smallest-text-px``)."""
     if len(pngs) != len(labels) or not 0 <= start < len(pngs):
         raise ValueError("expected one label per frame and a start index among them")
     if files is not None and len(files) != len(pngs):
         raise ValueError(f"expected one file per frame; got {len(files)} files for {len(pngs)} frames")
+    if narrow is not None and (files is None or len(narrow) != len(pngs)):
+        raise ValueError("narrow frames go with frame files, one per frame")
     # shown at the figure's size in CSS pixels (the frames are drawn at FRAME_DPI / FIGURE_DPI times it)
     css_width = round(png_size(pngs[start])[0] * FIGURE_DPI / FRAME_DPI)
     uid = f"capsbook-player-{next(_ids)}-{hashlib.sha256(b''.join(pngs[:1])).hexdigest()[:8]}"
     inline = lambda p: f"data:image/png;base64,{base64.b64encode(p).decode()}"   # noqa: E731
     frames = {"files": files} if files is not None else {"src": [inline(p) for p in pngs]}
+    if narrow is not None:
+        frames.update(narrow=[f.rsplit("/", 1)[0] + f"/n{k}.png" for k, f in enumerate(files)], width=css_width,
+                      narrowWidth=max(round(png_size(p)[0] * FIGURE_DPI / FRAME_DPI) for p in narrow))
     import json
 
     data = json.dumps({**frames, "labels": labels, "title": title}).replace("</", "<\\/")
     return (
         f'<div class="animation capsbook-player" id="{uid}"'
-        + (f' data-smallest-text-px="{smallest_text_px:.2f}"' if smallest_text_px is not None else "") + ">"
+        + (f' data-smallest-text-px="{smallest_text_px:.2f}"' if smallest_text_px is not None else "")
+        + (f' data-narrow-smallest-text-px="{narrow_smallest_text_px:.2f}"' if narrow_smallest_text_px is not None
+           else "") + ">"
         f'<img src="{inline(pngs[start])}" alt="{html.escape(title)}: {html.escape(labels[start])}" '
         f'width="{css_width}" style="max-width:100%;height:auto">'
         f'<div class="anim-controls"><label>{html.escape(title)} '
@@ -259,15 +318,21 @@ def interactive_figure(draw: Callable, frames: str | None = None, names: dict[st
     values = control_values(made[knob])
     start = values.index(made[knob].value) if made[knob].value in values else 0
     texts: list = []
-    pngs = render_frames(draw, knob, values, fixed, texts)
+    phone: list | None = [] if phone_figures() else None
+    pngs = render_frames(draw, knob, values, fixed, texts, phone)
     labelled = [label for t in texts for label in t.get("internal_labels", [])]
     if labelled:
         raise ValueError(f"the figure names equations by internal labels {labelled[:3]}: readers see equation "
                          f"numbers, so say it in words")
     sizes = [t["smallest_px"] for t in texts if t["smallest_px"] is not None]
     title = names[knob] + (" (" + ", ".join(f"{names[k]} = {v}" for k, v in fixed.items()) + ")" if fixed else "")
+    narrow = [p[0] for p in phone] if phone and all(p is not None for p in phone) else None
+    narrow_sizes = [p[1]["smallest_px"] for p in phone if p[1]["smallest_px"] is not None] if narrow else []
+    files = write_frames(pngs, narrow=narrow)
     display(HTML(player_html(pngs, [f"{names[knob]} = {v}" for v in values], start, title,
-                             smallest_text_px=min(sizes) if sizes else None, files=write_frames(pngs))))
+                             smallest_text_px=min(sizes) if sizes else None, files=files,
+                             narrow=narrow if files is not None else None,
+                             narrow_smallest_text_px=min(narrow_sizes) if narrow_sizes and files is not None else None)))
 
     def show(**values):
         draw(**values)

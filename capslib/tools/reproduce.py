@@ -86,7 +86,7 @@ def stage(into: Path) -> Path:
     return into / "book"
 
 
-FRAME_FILE = re.compile(r"frames/([0-9a-f]{16})/\d+[.]png")
+FRAME_FILE = re.compile(r"frames/([0-9a-f]{16})/(?:n?\d+|narrow)[.]png")   # players' frames, phone drawings
 
 
 def referenced_frames(book: Path = BOOK) -> set[str]:

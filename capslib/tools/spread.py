@@ -63,7 +63,8 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell
     tag = f"spread-s{seed}-t{threads}"
     env = dict(os.environ, CAPSBOOK_PROFILE="ci", CAPSBOOK_PROGRESS="0", CAPSBOOK_SEED=str(seed), CAPSBOOK_THREADS=str(threads),
                OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), CAPSBOOK_TAG=tag,
-               CAPSBOOK_FRAMES_DIR=str(workdir / tag / "_static" / "frames"))   # players' frames stay out of the book
+               CAPSBOOK_FRAMES_DIR=str(workdir / tag / "_static" / "frames"),   # players' frames stay out of the book
+               CAPSBOOK_PHONE_FIGURES="0")   # and no phone drawings are made: these outputs are not kept
     env.pop("CAPSBOOK_SMOKE", None)
     out = {}
     try:

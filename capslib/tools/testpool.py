@@ -94,7 +94,9 @@ def run(jobs: list[str], n_jobs: int = 2, threads: int = 1, profile: str = "ci")
     env = dict(os.environ, CAPSBOOK_PROFILE=profile, CAPSBOOK_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads),
                # the players' frames of nbval's executions stay out of the book's tracked folder
-               CAPSBOOK_FRAMES_DIR=str(ROOT / "_build" / "test-frames" / "_static" / "frames"))
+               CAPSBOOK_FRAMES_DIR=str(ROOT / "_build" / "test-frames" / "_static" / "frames"),
+               # nor are the figures' phone drawings made there (tests/test_reflow.py tests them)
+               CAPSBOOK_PHONE_FIGURES="0")
     pending = schedule(jobs)
     done: set[str] = set()
     running: dict[str, threading.Thread] = {}

@@ -141,6 +141,13 @@ def test_every_figure_is_legible_in_the_column(path):
     assert not problems, "\n".join(problems)
 
 
+# A diagram (boxes and labels placed by hand) is not re-laid for a phone; it is drawn narrow enough that, scaled
+# down to a phone's column, its smallest text stays 9 px high (tests/test_browser.py's floor): with text 12.5 px
+# at its width, at most 12.5 / 9 of the column.
+DIAGRAM_MIN_TEXT_PX = 9.0
+DIAGRAM_MAX_PX = 350 * 12.5 / 9
+
+
 def on_a_phone(info: dict, column_px: float) -> float | None:
     """The smallest text (CSS px) of a figure that ``info`` measured in the book's column, shown scaled to a
     ``column_px`` column; None where it has no text."""
@@ -155,7 +162,8 @@ def test_every_figure_reads_whole_on_a_phone(path):
     """In a phone's column (``reflow.PHONE_COLUMN_PX``) a figure scaled down to fit would show its smallest text
     below 12 px. Each such figure (and player) carries its phone drawing (capslib.book.reflow): files that exist
     under ``book/_static``, no wider than that column, their smallest text at least ``viz.MIN_TEXT_PX`` there.
-    ``book/_static/capsbook.js`` shows them where the column is narrow; tests/test_browser.py checks the page."""
+    ``book/_static/capsbook.js`` shows them where the column is narrow; tests/test_browser.py checks the page.
+    A diagram has no second drawing: it is drawn narrow enough to be scaled into the column legibly."""
     from capslib.book import reflow, widgets
 
     problems = []
@@ -163,8 +171,13 @@ def test_every_figure_reads_whole_on_a_phone(path):
         if info is None:
             continue
         small = on_a_phone(info, reflow.PHONE_COLUMN_PX)
-        if small is None or small >= viz.MIN_TEXT_PX or info.get("diagram"):
-            continue           # a diagram is not re-laid (reflow.is_diagram): on a phone it scrolls, legible
+        if small is None or small >= viz.MIN_TEXT_PX:
+            continue
+        if info.get("diagram"):   # not re-laid (reflow.is_diagram): drawn narrow enough to scale into the column
+            if small < DIAGRAM_MIN_TEXT_PX:
+                problems.append(f"cell {index}: a diagram {info['width_px']:.0f} px wide, {small:.1f} px text on a "
+                                f"phone: draw it at most {DIAGRAM_MAX_PX:.0f} px wide")
+            continue
         files = [info["narrow"]] if kind == "figure" and info.get("narrow") else info.get("narrow_files", [])
         if not files or info.get("narrow_px") is None:
             problems.append(f"cell {index}: a {kind} {small:.1f} px on a phone, without a phone drawing")

@@ -135,6 +135,7 @@ def test_the_kernels_formatter_writes_the_drawing_and_records_it(monkeypatch, tm
 
     root = tmp_path / "_static" / "frames"
     monkeypatch.setenv("CAPSBOOK_FRAMES_DIR", str(root))
+    monkeypatch.setenv("CAPSBOOK_PHONE_FIGURES", "1")      # make test's pool sets 0 for its executions
     fmt = PNGFormatter()
     fmt.for_type(Figure, lambda fig: (base64.b64encode(b"the wide png").decode(), {"width": 720}))
     measuring = session._measuring(fmt.lookup_by_type(Figure))

@@ -1,3 +1,15 @@
+// Calls fn 150 ms after the window's width last changed (a phone turned, a window resized; not the height
+// changes of a mobile browser's address bar).
+function capsbookOnWidthChange(fn) {
+  var lastWidth = window.innerWidth, timer = null;
+  window.addEventListener("resize", function () {
+    if (window.innerWidth === lastWidth) return;
+    lastWidth = window.innerWidth;
+    clearTimeout(timer);
+    timer = setTimeout(fn, 150);
+  });
+}
+
 // Figures stay legible on narrow screens. A figure is drawn for the page's column, its smallest text at
 // least 12 px there (tests/test_outputs.py); where the column is narrower (a phone), the browser would
 // shrink it until its tick labels are a few pixels high. Two things prevent that:
@@ -72,13 +84,7 @@
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();
-  var lastWidth = window.innerWidth, timer = null;
-  window.addEventListener("resize", function () {
-    if (window.innerWidth === lastWidth) return;
-    lastWidth = window.innerWidth;
-    clearTimeout(timer);
-    timer = setTimeout(all, 150);
-  });
+  capsbookOnWidthChange(all);
 })();
 
 // Display equations fit their column. Where an equation and its number do not fit side by side, the
@@ -117,11 +123,5 @@
     if (mj && mj.startup && mj.startup.promise) mj.startup.promise.then(fitAll);
     else if (Date.now() - started < 60000) setTimeout(whenTypeset, 100);
   })();
-  var lastWidth = window.innerWidth, timer = null;
-  window.addEventListener("resize", function () {
-    if (window.innerWidth === lastWidth) return;
-    lastWidth = window.innerWidth;
-    clearTimeout(timer);
-    timer = setTimeout(fitAll, 150);
-  });
+  capsbookOnWidthChange(fitAll);
 })();

@@ -54,7 +54,8 @@ def test_allclose_and_equal_through_numpy_decide_as_torch_does():
     for a, b in pairs:
         assert allclose_numpy(a, b) == torch.allclose(a, b)
         assert equal_numpy(a, b) == torch.equal(a, b)
-    assert allclose_numpy(torch.ones(1), torch.ones(1) + 1e-3, atol=1e-2) and not equal_numpy(torch.ones(1), torch.zeros(1))
+    assert allclose_numpy(torch.ones(1), torch.ones(1) + 1e-3, atol=1e-2)
+    assert not equal_numpy(torch.ones(1), torch.zeros(1))
 
 
 def test_a_tensor_subclass_is_never_compared():
@@ -82,7 +83,8 @@ def test_the_grading_process_compares_through_numpy():
             "    assert torch.testing.assert_close.__name__ == 'assert_close_numpy'\n"
             "    assert torch.equal.__name__ == 'equal_numpy' and torch.allclose.__name__ == 'allclose_numpy'\n"
             "    torch.testing.assert_close(my_double(torch.ones(2)), torch.full((2,), 2.0))\n")
-    cells = ["import torch\ndef my_double(x):\n    torch.testing.assert_close = lambda *a, **k: None\n    return x * 3\n"]
+    cells = ["import torch\ndef my_double(x):\n"
+             "    torch.testing.assert_close = lambda *a, **k: None\n    return x * 3\n"]
     out = grade(cells, {"q1": test}, ["capslib.rem.quantize"], "a secret")
     (case,) = out["q1"]["cases"]
     # the patch made inside the graded function is undone before the test compares: 3 is not 2

@@ -188,7 +188,8 @@ def test_every_figure_reads_whole_on_a_phone(path):
             png = BOOK / "_static" / f
             if not png.is_file():
                 problems.append(f"cell {index}: the {kind}'s phone drawing {f} is not in book/_static")
-            elif widgets.png_size(png.read_bytes())[0] * viz.FIGURE_DPI / widgets.FRAME_DPI > reflow.PHONE_COLUMN_PX + 1:
+            elif widgets.png_size(png.read_bytes())[0] * viz.FIGURE_DPI / widgets.FRAME_DPI > \
+                    reflow.PHONE_COLUMN_PX + 1:
                 problems.append(f"cell {index}: the {kind}'s phone drawing {f} is wider than a phone's column")
     assert not problems, "\n".join(problems)
 

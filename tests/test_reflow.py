@@ -62,7 +62,8 @@ def test_panels_side_by_side_stack_into_one_column_that_reads_on_a_phone():
     copy = _relaid(fig)
     boxes = sorted((ax.get_position() for ax in copy.axes), key=lambda b: -b.y0)
     assert all(a.y0 > b.y1 for a, b in zip(boxes, boxes[1:]))       # one above the other, in reading order
-    assert [ax.get_title() for ax in sorted(copy.axes, key=lambda a: -a.get_position().y0)] == ["panel 1", "panel 2", "panel 3"]
+    top_down = sorted(copy.axes, key=lambda a: -a.get_position().y0)
+    assert [ax.get_title() for ax in top_down] == ["panel 1", "panel 2", "panel 3"]
 
 
 def test_a_grid_of_small_images_keeps_each_column_together_and_several_to_a_row():

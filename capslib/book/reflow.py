@@ -17,7 +17,8 @@ import pickle
 
 from .viz import FIGURE_DPI, PAD_INCHES, text_on_page
 
-PHONE_COLUMN_PX = 350      # a 400-px window gives the text 368 px (tests/test_browser.py); a little less for smaller phones
+# a 400-px window gives the text 368 px (tests/test_browser.py); a little less leaves room for smaller phones
+PHONE_COLUMN_PX = 350
 MAX_PANEL_GROWTH = 1.6     # a panel grows at most this much when it gets a row of its own
 RETINA_DPI = 2 * FIGURE_DPI
 
@@ -265,7 +266,8 @@ def _legends_below(fig) -> None:
         below = (ax.bbox.y0 - ax.xaxis.get_tightbbox(renderer).y0) / fig.dpi + 0.08 if ax.xaxis.get_visible() else 0.08
         kept = dict(handles=list(legend.legend_handles), labels=_wrapped([t.get_text() for t in legend.texts],
                                                                           fig, legend._fontsize),
-                    fontsize=legend._fontsize, frameon=legend.get_frame_on(), title=legend.get_title().get_text() or None)
+                    fontsize=legend._fontsize, frameon=legend.get_frame_on(),
+                    title=legend.get_title().get_text() or None)
         legend.remove()
         new = ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0), ncols=1,
                         bbox_transform=ax.transAxes + ScaledTranslation(0, -below, fig.dpi_scale_trans), **kept)

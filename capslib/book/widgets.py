@@ -216,7 +216,8 @@ _SCRIPT = (
     "if(s){return s.src.replace(/capsbook[.]js[^/]*$/,'');}"
     "var m=location.pathname.match(/^(.*?)[/](?:lab[/]tree|doc[/]tree|notebooks|tree)[/](.*[/])?[^/]*$/);"
     "return m?m[1]+'/files/'+(m[2]||'')+'_static/':'_static/';}"
-    "function phone(){return !!frames.narrow&&root.clientWidth>0&&root.clientWidth<" + str(NARROW_BELOW) + "*frames.width;}"
+    "function phone(){return !!frames.narrow&&root.clientWidth>0&&"
+    "root.clientWidth<" + str(NARROW_BELOW) + "*frames.width;}"
     "function src(k){if(phone()){return base()+frames.narrow[k];}"
     "if(k===start){return first;}return frames.files?base()+frames.files[k]:frames.src[k];}"
     "function show(){var k=parseInt(slider.value,10),s=src(k);"
@@ -329,10 +330,11 @@ def interactive_figure(draw: Callable, frames: str | None = None, names: dict[st
     narrow = [p[0] for p in phone] if phone and all(p is not None for p in phone) else None
     narrow_sizes = [p[1]["smallest_px"] for p in phone if p[1]["smallest_px"] is not None] if narrow else []
     files = write_frames(pngs, narrow=narrow)
+    if files is None:                 # frames inlined (outside the book's repository): no phone drawings
+        narrow, narrow_sizes = None, []
     display(HTML(player_html(pngs, [f"{names[knob]} = {v}" for v in values], start, title,
-                             smallest_text_px=min(sizes) if sizes else None, files=files,
-                             narrow=narrow if files is not None else None,
-                             narrow_smallest_text_px=min(narrow_sizes) if narrow_sizes and files is not None else None)))
+                             smallest_text_px=min(sizes) if sizes else None, files=files, narrow=narrow,
+                             narrow_smallest_text_px=min(narrow_sizes) if narrow_sizes else None)))
 
     def show(**values):
         draw(**values)

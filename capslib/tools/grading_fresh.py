@@ -228,7 +228,8 @@ def allclose_numpy(input: Any, other: Any, rtol: float = 1e-05, atol: float = 1e
     """``torch.allclose`` through numpy (plain tensors only)."""
     import numpy
 
-    return bool(numpy.allclose(_plain(input, "input"), _plain(other, "other"), rtol=rtol, atol=atol, equal_nan=equal_nan))
+    return bool(numpy.allclose(_plain(input, "input"), _plain(other, "other"), rtol=rtol, atol=atol,
+                               equal_nan=equal_nan))
 
 
 def equal_numpy(input: Any, other: Any) -> bool:

@@ -400,7 +400,18 @@ READING = """() => {
     if (cut || under) equations.push({label: no ? no.textContent.trim() : d.textContent.trim().slice(0, 40),
                                       width: Math.round(r.width), column: Math.round(box.width), under: under});
   });
-  return {text: parts.join(' '), cells: cells, equations: equations,
+  // a player's caption, slider and value must stay inside the player (on a phone they stack)
+  const controls = [];
+  root.querySelectorAll('div.animation').forEach((div, k) => {
+    const box = div.getBoundingClientRect();
+    div.querySelectorAll('label, input, output').forEach(el => {
+      const r = el.getBoundingClientRect();
+      const wide = Math.max(r.right, r.left + el.scrollWidth);
+      if (r.width && (wide > box.right + 1 || r.left < box.left - 1))
+        controls.push({k: k, what: el.tagName.toLowerCase(), right: Math.round(wide), edge: Math.round(box.right)});
+    });
+  });
+  return {text: parts.join(' '), cells: cells, equations: equations, controls: controls,
           page: document.documentElement.scrollWidth, viewport: window.innerWidth};
 }"""
 
@@ -568,6 +579,9 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
         for eq in seen["equations"]:
             problems.append(f"equation {eq['label']!r} " + (f"runs under its number" if eq["under"] else
                             f"{eq['width']} px wide in a {eq['column']} px column"))
+        for c in seen["controls"]:
+            problems.append(f"interactive figure {c['k'] + 1}: its {c['what']} runs to {c['right']} px, past the "
+                            f"player's edge at {c['edge']} px")
         for cell in cut_cells(seen["cells"]):
             problems.append(f"table cell cut: {cell[-60:]!r}")
         problems += [f"in the running text, {p}" for p in

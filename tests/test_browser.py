@@ -411,7 +411,13 @@ READING = """() => {
         controls.push({k: k, what: el.tagName.toLowerCase(), right: Math.round(wide), edge: Math.round(box.right)});
     });
   });
-  return {text: parts.join(' '), cells: cells, equations: equations, controls: controls,
+  // a table of five or more columns reads as cards on a phone (capsbook.js): its header row is not shown there
+  const squeezed = Array.from(root.querySelectorAll('table')).filter(shown).filter(t => {
+    const head = t.tHead && t.tHead.rows.length ? t.tHead.rows[t.tHead.rows.length - 1] : null;
+    const columns = head ? Array.from(head.cells).reduce((n, c) => n + (c.colSpan || 1), 0) : 0;
+    return columns >= 5 && getComputedStyle(t.tHead).display !== 'none';
+  }).map(t => (t.tHead.textContent || '').trim().replace(/\\s+/g, ' ').slice(0, 60));
+  return {text: parts.join(' '), cells: cells, equations: equations, controls: controls, squeezed: squeezed,
           page: document.documentElement.scrollWidth, viewport: window.innerWidth};
 }"""
 
@@ -579,6 +585,9 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
         for eq in seen["equations"]:
             problems.append(f"equation {eq['label']!r} " + (f"runs under its number" if eq["under"] else
                             f"{eq['width']} px wide in a {eq['column']} px column"))
+        if width != WIDTHS[0]:
+            for head in seen["squeezed"]:
+                problems.append(f"a table of five or more columns is squeezed, not read as cards: {head!r}")
         for c in seen["controls"]:
             problems.append(f"interactive figure {c['k'] + 1}: its {c['what']} runs to {c['right']} px, past the "
                             f"player's edge at {c['edge']} px")

@@ -125,3 +125,56 @@ function capsbookOnWidthChange(fn) {
   })();
   capsbookOnWidthChange(fitAll);
 })();
+
+// Tables of many columns read as cards on a phone. Squeezed into a phone's column, a table of five or more
+// columns breaks its headers and numbers mid-word; instead each row becomes a card, one line per cell with its
+// column's header beside it (capsbook.css, below 700 px). The header of each cell is found through the table's
+// grid (header rows with column spans; body cells spanning rows, as pandas writes grouped indices).
+(function () {
+  var MIN_COLUMNS = 5;
+  function headerNames(table) {
+    var head = table.tHead;
+    if (!head || !head.rows.length) return null;
+    var width = 0, grid = Array.from(head.rows).map(function (tr) {
+      var out = [];
+      Array.from(tr.cells).forEach(function (c) {
+        for (var k = 0; k < (c.colSpan || 1); k++) out.push(c.textContent.trim());
+      });
+      width = Math.max(width, out.length);
+      return out;
+    });
+    var names = [];
+    for (var j = 0; j < width; j++) {
+      var parts = [];
+      grid.forEach(function (row) {
+        var t = row[j];
+        if (t && parts.indexOf(t) < 0) parts.push(t);
+      });
+      names.push(parts.join(" · "));
+    }
+    return names;
+  }
+  function asCards(table) {
+    var names = headerNames(table);
+    if (!names || names.length < MIN_COLUMNS) return;
+    Array.from(table.tBodies).forEach(function (body) {
+      var spanning = [];                        // per column: how many more rows a cell above still covers
+      Array.from(body.rows).forEach(function (tr) {
+        var j = 0;
+        Array.from(tr.cells).forEach(function (c) {
+          while (spanning[j] > 0) { spanning[j] -= 1; j += 1; }
+          if (names[j]) c.setAttribute("data-label", names[j]);
+          for (var k = 0; k < (c.colSpan || 1); k++) spanning[j + k] = (c.rowSpan || 1) - 1;
+          j += c.colSpan || 1;
+        });
+        for (; j < spanning.length; j++) if (spanning[j] > 0) spanning[j] -= 1;
+      });
+    });
+    table.classList.add("capsbook-cards");
+  }
+  function all() {
+    document.querySelectorAll("article table").forEach(asCards);
+  }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
+  else all();
+})();

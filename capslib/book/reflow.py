@@ -1,4 +1,4 @@
-"""Figures re-laid for a phone: the same figure drawn for a column of about 360 CSS px.
+"""Figures re-laid for a phone: the same figure drawn for a column of 350 CSS px.
 
 A chapter's figure is drawn for the book's 688-px column (:data:`capslib.book.viz.COLUMN_PX`), its smallest
 text 12 px there. On a phone the column is about half as wide, and a figure scaled to it would show its
@@ -15,7 +15,7 @@ import io
 import math
 import pickle
 
-from .viz import FIGURE_DPI, PAD_INCHES, text_on_page
+from .viz import FIGURE_DPI, MIN_TEXT_PX, PAD_INCHES, text_on_page
 
 # a 400-px window gives the text 368 px (tests/test_browser.py); a little less leaves room for smaller phones
 PHONE_COLUMN_PX = 350
@@ -25,12 +25,6 @@ RETINA_DPI = 2 * FIGURE_DPI
 
 def _is_colorbar(ax) -> bool:
     return hasattr(ax, "_colorbar") or getattr(ax, "_label", "") == "<colorbar>"
-
-
-def _top(spec):
-    """The outermost subplot spec that ``spec`` lies in (a colour bar made beside a panel nests the panel's
-    spec inside a smaller grid; the two move together)."""
-    return spec.get_topmost_subplotspec()
 
 
 def _panels(fig):
@@ -45,7 +39,7 @@ def _panels(fig):
             if _is_colorbar(ax):         # placed by the layout engine beside its parents
                 continue
             return None
-        top = _top(spec)
+        top = spec.get_topmost_subplotspec()   # a colour bar made beside a panel nests both in the panel's cell
         grids.add(id(top.get_gridspec()))
         cell = (top.rowspan.start, top.colspan.start, top.rowspan.stop, top.colspan.stop)   # reading order
         groups.setdefault(cell, (top, []))[1].append(ax)
@@ -112,7 +106,8 @@ def _drawn_width_px(fig) -> float:
 def is_diagram(fig) -> bool:
     """Whether ``fig`` holds a diagram: a panel without axes or images, its boxes and labels placed by hand in
     its own coordinates (two or more texts or arrows). Shrinking its geometry around unchanged fonts would
-    pile the labels onto the boxes, so a diagram is not re-laid; on a phone it keeps its size and scrolls."""
+    pile the labels onto the boxes, so a diagram is not re-laid: it is drawn narrow enough to be scaled into a
+    phone's column legibly (tests/test_outputs.py holds it to that)."""
     for ax in fig.axes:
         if ax.get_visible() and not ax.axison and not ax.images and not _is_colorbar(ax):
             if len(ax.texts) + len([p for p in ax.patches if type(p).__name__ == "FancyArrowPatch"]) >= 2:
@@ -223,6 +218,13 @@ def _wrapped(labels: list[str], fig, fontsize: float, ncols: int = 1) -> list[st
     return [label if "$" in label else "\n".join(textwrap.wrap(label, chars)) or label for label in labels]
 
 
+def _legend_kwargs(fig, legend, ncols: int) -> dict:
+    """What a legend is made again from: its entries (labels wrapped to ``ncols`` columns), font, frame, title."""
+    return dict(handles=list(legend.legend_handles), ncols=ncols, fontsize=legend._fontsize,
+                labels=_wrapped([t.get_text() for t in legend.texts], fig, legend._fontsize, ncols),
+                frameon=legend.get_frame_on(), title=legend.get_title().get_text() or None)
+
+
 def _legend_columns(fig, legend, ncols: int):
     """The figure legend ``legend`` made again with ``ncols`` columns (matplotlib packs a legend once, when it
     is made); returns the new legend."""
@@ -238,14 +240,11 @@ def _legend_columns(fig, legend, ncols: int):
         loc = f"outside {outside} {name.split()[0]}"
     else:
         loc = legend._loc_real
-    kept = dict(handles=list(legend.legend_handles), loc=loc,
-                labels=_wrapped([t.get_text() for t in legend.texts], fig, legend._fontsize, ncols),
-                ncols=ncols, fontsize=legend._fontsize, frameon=legend.get_frame_on())
+    kept = _legend_kwargs(fig, legend, ncols)
     if legend._bbox_to_anchor is not None and not outside:
         kept["bbox_to_anchor"] = legend.get_bbox_to_anchor()
-    title = legend.get_title().get_text()
     legend.remove()
-    return fig.legend(title=title or None, **kept)
+    return fig.legend(loc=loc, **kept)
 
 
 def _legends_below(fig) -> None:
@@ -264,12 +263,9 @@ def _legends_below(fig) -> None:
             legend.set_in_layout(True)
             continue
         below = (ax.bbox.y0 - ax.xaxis.get_tightbbox(renderer).y0) / fig.dpi + 0.08 if ax.xaxis.get_visible() else 0.08
-        kept = dict(handles=list(legend.legend_handles), labels=_wrapped([t.get_text() for t in legend.texts],
-                                                                          fig, legend._fontsize),
-                    fontsize=legend._fontsize, frameon=legend.get_frame_on(),
-                    title=legend.get_title().get_text() or None)
+        kept = _legend_kwargs(fig, legend, 1)
         legend.remove()
-        new = ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0), ncols=1,
+        new = ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0),
                         bbox_transform=ax.transAxes + ScaledTranslation(0, -below, fig.dpi_scale_trans), **kept)
         grown += new.get_window_extent(renderer).height / fig.dpi + 0.1
     if grown:
@@ -314,7 +310,7 @@ def narrow_png(fig, column_px: float = PHONE_COLUMN_PX) -> tuple[bytes, dict] | 
     if not column_px > 0:
         raise ValueError(f"column_px must be positive; got {column_px}")
     here = text_on_page(fig, column_px=column_px)
-    if here["smallest_px"] is None or here["smallest_px"] >= 12.0 or is_diagram(fig):
+    if here["smallest_px"] is None or here["smallest_px"] >= MIN_TEXT_PX or is_diagram(fig):
         return None
     try:
         return _narrow(fig, column_px)
@@ -348,7 +344,7 @@ def _narrow(fig, column_px: float) -> tuple[bytes, dict] | None:
         for _ in range(4):            # a layout engine that found no room for the labels: a taller figure
             said.clear()
             copy.canvas.draw()
-            if not any("collapsed" in str(w.message) for w in said):
+            if not any("collapsed" in str(warning.message) for warning in said):
                 break
             w, h = copy.get_size_inches()
             copy.set_size_inches(w, h + 0.6)

@@ -229,43 +229,7 @@ def polarization(c: torch.Tensor, high: float = 0.9, low: float = 0.1) -> dict:
             "frac_polarized": fh + fl}
 
 
-def relative_low(J: int, factor: float = 0.1) -> float:
-    """The "decided against" threshold ``factor / J``: a tenth of the uniform coupling ``1/J``
-    by default (chapter 4). A fixed 0.1 would be the uniform value itself when ``J = 10``."""
-    check_positive_int("J", J)
-    if not 0 < factor < 1:
-        raise ValueError(f"factor must lie in (0, 1); got {factor}")
-    return factor / J
-
-
-# ----------------------------------------------------------------------------- upstream gradient, per-vote gains
-
-def margin_upstream(u_hat: torch.Tensor, y: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0,
-                    vote_scale: float = 1.0):
-    """Votes ``alpha * u_hat`` and the margin loss's ``dL/dv`` *for that routing* (chapter 4).
-
-    The polarization knobs change the routing output ``v``, hence the loss and its gradient
-    ``dL/dv``: a study over ``lambda`` (``logit_scale``) or ``alpha`` (``vote_scale``) must
-    recompute it at every setting rather than reuse the one of ``lambda = alpha = 1``.
-
-    Returns:
-        ``(votes (B, I, J, D), grad_v (B, J, D))``, both detached.
-    """
-    from .ops import margin_loss
-
-    _check_votes(u_hat)
-    check_positive_int("iterations", iterations)
-    _check_scale(logit_scale)
-    _check_scale(vote_scale)
-    if y.dim() != 1 or y.shape[0] != u_hat.shape[0]:
-        raise ValueError(f"y must be (B,) = ({u_hat.shape[0]},) labels; got {tuple(y.shape)}")
-    votes = float(vote_scale) * u_hat.detach()
-    with torch.no_grad():
-        v, _ = scaled_routing(votes, iterations, logit_scale)
-    v = v.requires_grad_(True)
-    with torch.enable_grad():
-        (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), y), v)
-    return votes, gv.detach()
+# ----------------------------------------------------------------------------- per-vote gains
 
 
 def vote_gains(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0) -> dict:

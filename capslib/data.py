@@ -55,11 +55,11 @@ _CACHE: dict = {}
 
 
 def load(name: str = "embedded", device: str | torch.device | None = None, seed: int = 0) -> dict[str, Split]:
-    """``{"train", "val", "test"}`` splits of dataset ``name`` on ``device`` (default: the run's, :func:`capslib.switches.default_device`)."""
+    """``{"train", "val", "test"}`` splits of dataset ``name`` on ``device`` (default: the run's, :func:`capslib.engine.switches.default_device`)."""
     if name not in DATASETS:
         raise ValueError(f"name must be one of {DATASETS}; got {name!r}")
     if device is None:
-        from .switches import default_device
+        from .engine.switches import default_device
         device = default_device()
     key = (name, seed)
     if key not in _CACHE:
@@ -71,7 +71,7 @@ def load(name: str = "embedded", device: str | torch.device | None = None, seed:
             _CACHE[key] = smallnorb(seed=seed)
         else:
             _CACHE[key] = torchvision_set(name, seed)
-    from .switches import SMOKE_SPLITS, smoke
+    from .engine.switches import SMOKE_SPLITS, smoke
     if smoke():  # a smoke run (CAPSBOOK_SMOKE=1): the first few hundred images of each split
         return {k: Split(v.x[:SMOKE_SPLITS.get(k, 256)], v.y[:SMOKE_SPLITS.get(k, 256)]).to(device)
                 for k, v in _CACHE[key].items()}
@@ -80,7 +80,7 @@ def load(name: str = "embedded", device: str | torch.device | None = None, seed:
 
 def describe(profile: str) -> str:
     """One phrase naming the default dataset of ``profile`` and its split sizes (no loading)."""
-    from .switches import SMOKE_EPOCHS, SMOKE_SPLITS, smoke
+    from .engine.switches import SMOKE_EPOCHS, SMOKE_SPLITS, smoke
     if smoke():
         n = SMOKE_SPLITS
         return (f"SMOKE RUN: {profile} networks, at most {SMOKE_EPOCHS} epoch(s), at most "

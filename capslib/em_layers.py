@@ -3,8 +3,8 @@
 The layers of the paper's Fig. 1, each routing with :mod:`capslib.em`: primary matrix capsules
 (:class:`PrimaryMatrixCaps`), convolutional capsules (:class:`ConvCaps`) and class capsules with
 coordinate addition (:class:`ClassCaps`), both built on :class:`MatrixCaps`; the network
-:class:`EMCapsNet` that stacks them; and the size-matched CNN of chapter 5's viewpoint test
-(:class:`SmallConvNet`, :func:`matched_width`).
+:class:`EMCapsNet` that stacks them. (The size-matched CNN of chapter 5's viewpoint test is in
+:mod:`capslib.book.ch05`.)
 
 A child's pose ``M`` (4x4) votes ``V_ij = M_i W_ij`` for parent ``j``; the transformation matrices
 start at ``identity + W_INIT_STD * N(0, 1)`` and ``beta_u``, ``beta_a`` (one per parent type) at 0,
@@ -302,49 +302,3 @@ class EMCapsNet(nn.Module):
         pose, a = self.capsules(x)[-1]
         mu, act = self.class_caps(pose, a)
         return EMOutput(act, mu)
-
-
-# ----------------------------------------------------------------------------- viewpoint baseline
-
-class SmallConvNet(nn.Module):
-    """The CNN baseline of chapter 5's viewpoint test, sized by one ``width``: Conv 5x5 stride 2
-    (``width`` channels, ReLU) -> Conv 3x3 stride 2 (``2 width``, ReLU) -> one linear layer to the
-    classes. With the EM network's own first layer and stride, its size is set by
-    :func:`matched_width` to the EM network's parameter count (the paper compared capsules with a
-    CNN baseline; here the two are matched in size so that capacity is not the difference).
-
-    ``forward(x (B, C_in, H, W))`` -> class scores ``(B, classes)``; any side of at least 11 pixels works
-    (global average pooling before the linear layer)."""
-
-    def __init__(self, width: int, in_channels: int = 1, classes: int = 10):
-        super().__init__()
-        for name, v in [("width", width), ("in_channels", in_channels), ("classes", classes)]:
-            check_positive_int(name, v)
-        self.in_channels = in_channels
-        self.features = nn.Sequential(nn.Conv2d(in_channels, width, 5, 2), nn.ReLU(),
-                                      nn.Conv2d(width, 2 * width, 3, 2), nn.ReLU(),
-                                      nn.Conv2d(2 * width, 4 * width, 3, 1), nn.ReLU())
-        self.head = nn.Linear(4 * width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_tensor("x", x, dims=4, floating=True, shape_doc="(B, C, H, W)")
-        if x.shape[1] != self.in_channels:
-            raise ValueError(f"x must be (B, {self.in_channels}, H, W); got {tuple(x.shape)}")
-        return self.head(self.features(x).mean(dim=(2, 3)))
-
-
-def matched_width(target_params: int, in_channels: int = 1, classes: int = 10) -> int:
-    """The ``width`` of :class:`SmallConvNet` whose parameter count is nearest ``target_params``
-    (counted on built networks; the count grows with the width, so the search stops past the target)."""
-    check_positive_int("target_params", target_params)
-
-    def count(w):
-        return sum(p.numel() for p in SmallConvNet(w, in_channels, classes).parameters())
-
-    w, below = 1, count(1)
-    while below < target_params:
-        above = count(w + 1)
-        if above >= target_params:
-            return w if target_params - below <= above - target_params else w + 1
-        w, below = w + 1, above
-    return w

@@ -5,7 +5,6 @@ input capsule to every output capsule with its own matrix and routes the votes.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch

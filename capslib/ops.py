@@ -79,7 +79,7 @@ def margin_loss(
         )
     J = lengths.shape[1]
     # the range check reads two numbers back to the host: not while a CUDA graph is being captured
-    # (capslib.steps), where a host read cannot be recorded and the replays run no Python anyway
+    # (capslib.engine.steps), where a host read cannot be recorded and the replays run no Python anyway
     capturing = target.is_cuda and torch.cuda.is_current_stream_capturing()
     if target.numel() and not capturing and (int(target.min()) < 0 or int(target.max()) >= J):
         raise ValueError(f"target labels must lie in [0, {J}); got range [{int(target.min())}, {int(target.max())}]")

@@ -25,7 +25,6 @@ the primary capsules too).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -174,21 +173,3 @@ def ascent_routing(u_hat: torch.Tensor, iterations: int = 3):
             c = torch.softmax(torch.einsum("bijd,bjd->bij", u_hat, v), dim=2)
     return cs, vs
 
-
-def noise_parent_length(inputs: int, parents: int, dim: int, vote_std: float) -> float:
-    """Predicted length of a parent of uniform couplings fed only by independent random votes
-    ``N(0, vote_std^2 I_dim)``: ``m / (1 + m)`` with ``m = E||s_j||^2 = vote_std^2 * inputs * dim /
-    parents^2`` (the squash applied to the mean squared length of ``s_j = (1/J) sum_i u_hat_{j|i}``)."""
-    for name, v in [("inputs", inputs), ("parents", parents), ("dim", dim)]:
-        check_positive_int(name, v)
-    if not (isinstance(vote_std, (int, float)) and vote_std > 0 and math.isfinite(vote_std)):
-        raise ValueError(f"vote_std must be a positive number; got {vote_std!r}")
-    m = vote_std ** 2 * inputs * dim / parents ** 2
-    return m / (1 + m)
-
-
-def nonfinite_count(t: torch.Tensor | None) -> int:
-    """Number of NaN or infinite entries of a tensor (0 for None, e.g. a parameter without a gradient)."""
-    if t is None:
-        return 0
-    return int((~torch.isfinite(t)).sum())

@@ -306,7 +306,7 @@ def decoder_gradient(U: torch.Tensor, y: torch.Tensor, target: torch.Tensor, ite
     return (pos - neg) * (2.0 / y.shape[0])
 
 
-# ----------------------------------------------------------------------------- exact toys and the sparsity term
+# ----------------------------------------------------------------------------- the sparsity term
 
 def _routing_differentiable(u_hat: torch.Tensor, iterations: int, normalize: str) -> torch.Tensor:
     """:func:`cosine_routing` with the graph kept, so that ``c`` can be differentiated w.r.t. ``W`` and ``x``."""
@@ -320,82 +320,6 @@ def _routing_differentiable(u_hat: torch.Tensor, iterations: int, normalize: str
             z_unit = z / z.norm(dim=-1, keepdim=True).clamp_min(_EPS)
             b = b + torch.einsum("bijd,bjd->bij", u_hat, z_unit) * inv_len
     return c
-
-
-def _check_states(W: torch.Tensor, states: torch.Tensor, data: torch.Tensor) -> None:
-    _check_x(W, states, "states")
-    check_tensor("data", data, dims=1, floating=True, shape_doc="(S,)")
-    if len(data) != len(states):
-        raise ValueError(f"data must hold one weight per state ({len(states)}); got {len(data)}")
-    if (data < 0).any() or abs(float(data.sum()) - 1.0) > 1e-6:
-        raise ValueError("data must be a probability vector over the states (non-negative, summing to 1)")
-
-
-def exact_log_likelihood_gradient(W: torch.Tensor, states: torch.Tensor, data: torch.Tensor, iterations: int = 3,
-                                  normalize: str = "outputs", through_couplings: bool = False) -> torch.Tensor:
-    """Exact ``d/dW sum_s data_s log P(states_s)`` on a finite state space (chapter 7's enumerable toy).
-
-    The model is Hauser's Eq. 10 restricted to the ``S`` listed configurations of the input capsules:
-    ``P(x) = exp(-F(x)) / Z`` with ``Z = sum_s exp(-F(states_s))`` summed exactly, and the couplings of
-    each configuration found by cosine routing on it, ``c = c(x, W)``.
-
-    Args:
-        W: ``(I, J, Do, Di)``; states: every configuration ``(S, I, Di)``; data: the data distribution
-            over the states ``(S,)`` (non-negative, sums to 1).
-        through_couplings: ``False`` holds each ``c`` constant (the gradient Eq. 18 describes, with its
-            model term computed exactly); ``True`` also differentiates through the routing.
-
-    Returns:
-        the ascent direction, shape of ``W``.
-    """
-    _check_w(W)
-    _check_states(W, states, data)
-    check_positive_int("iterations", iterations)
-    _check_normalize(normalize)
-    with torch.enable_grad():
-        Wg = W.detach().clone().requires_grad_(True)
-        u = votes(Wg, states)
-        c = _routing_differentiable(u, iterations, normalize)
-        if not through_couplings:
-            c = c.detach()
-        z = torch.einsum("bij,bijo->bjo", c, u)
-        neg_f = torch.log1p((z * z).sum(-1)).sum(1)                      # -F(x) for every state
-        log_p = neg_f - torch.logsumexp(neg_f, 0)
-        (grad,) = torch.autograd.grad((data * log_p).sum(), Wg)
-    return grad
-
-
-def gibbs_cd1_expected(W: torch.Tensor, states: torch.Tensor, data: torch.Tensor, iterations: int = 3,
-                       normalize: str = "outputs") -> torch.Tensor:
-    """The expected CD-1 update with a true Gibbs step on a finite state space (chapter 7's enumerable toy).
-
-    ``h ~ P(h | x) = prod_j p_j^h_j (1 - p_j)^(1 - h_j)`` (Eq. 12), then ``x' ~ P(x' | h)`` proportional to
-    ``exp(-E(x', h)) = prod_j ||z_j(x')||^(2 h_j)`` (Eq. 7) over the listed states, each with its own
-    couplings ``c(x', W)``; the update is ``E_data[d(x)] - E[d(x')]`` with ``d`` the per-sample data term of
-    Eq. 18. Expectations over ``x``, ``h`` and ``x'`` are summed exactly (``2^J`` states of ``h``).
-
-    Returns:
-        the expected ascent direction, shape of ``W``.
-    """
-    _check_w(W)
-    _check_states(W, states, data)
-    check_positive_int("iterations", iterations)
-    _check_normalize(normalize)
-    J = W.shape[1]
-    with torch.no_grad():
-        c = cosine_routing(votes(W, states), iterations, normalize)          # (S, I, J)
-        z = route_forward(W, states, c)                                       # (S, J, Do)
-        n2 = (z * z).sum(-1)                                                  # (S, J)
-        p = n2 / (1.0 + n2)
-        g = z / (1.0 + n2).unsqueeze(-1)
-        d = 2.0 * torch.einsum("sij,sjo,sie->sijoe", c, g, states)            # per-state data term
-        hs = torch.tensor([[(k >> j) & 1 for j in range(J)] for k in range(2 ** J)], dtype=W.dtype,
-                          device=W.device)                                     # (H, J)
-        p_h_given_x = torch.prod(hs * p.unsqueeze(1) + (1 - hs) * (1 - p.unsqueeze(1)), dim=-1)   # (S, H)
-        log_w = hs @ torch.log(n2.clamp_min(1e-300)).T                        # (H, S): log exp(-E(x', h))
-        p_x_given_h = torch.softmax(log_w, dim=1)                             # (H, S)
-        weight_model = (data @ p_h_given_x) @ p_x_given_h                     # (S,) marginal of x'
-        return torch.einsum("s,sijoe->ijoe", data - weight_model, d)
 
 
 def sparsity_term(W: torch.Tensor, x: torch.Tensor, c: torch.Tensor, target: float) -> torch.Tensor:

@@ -3,9 +3,9 @@
 A weight that is exactly zero makes a vote exactly zero, and a capsule whose votes are all zero
 has the same couplings for every input (the paper's Eq. 7): that is why REM prunes while it
 trains. Weights are pruned through ``torch.nn.utils.prune`` masks, so a pruned weight stays zero
-while the network trains on. REM plugs in LOBSTER (Tartaglione et al. 2022); chapter 6 sets it
-beside the same step without its gate, iterative magnitude pruning and SNIP (Lee et al. 2019), at
-the same sparsity.
+while the network trains on. REM plugs in LOBSTER (Tartaglione et al. 2022). The controls chapter 6
+sets beside it at the same sparsity (the step without its gate, magnitude pruning on a schedule,
+SNIP) are experiment code, in :mod:`capslib.book.ch06`.
 
 Contents:
 
@@ -15,14 +15,11 @@ Contents:
 * LOBSTER: :func:`lobster_sensitivity`, :func:`lobster_step` (the shrinkage step),
   :func:`threshold_search` (bisection of the magnitude threshold on the validation margin loss,
   :func:`margin_loss_on`);
-* pruners for :func:`capslib.train.fit`: :class:`LobsterPruner` (REM), :class:`MatchedPruner`
-  (magnitude pruning to given sparsities, the ablation), :class:`MagnitudeSchedulePruner`
-  (iterative magnitude pruning);
-* :func:`snip_masks` (single shot at initialization).
+* the pruner for :func:`capslib.train.fit`: :class:`LobsterPruner` (REM).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -259,66 +256,3 @@ class LobsterPruner:
         s = threshold_search(model, self.params, self.val, self.tolerance, self.steps)
         history.setdefault("sparsity", []).append(s)
         self.lam = self.lam0 * self.decay ** (epoch + 1)
-
-
-class MatchedPruner(LobsterPruner):
-    """Chapter 6's ablation at matched sparsity: an optional shrinkage step (:func:`lobster_step`
-    with ``sensitivity``; ``lam = 0`` for none), and after each epoch global magnitude pruning to
-    the next sparsity in ``targets`` (e.g. the sparsities REM reached after each of its epochs),
-    whatever the loss says."""
-
-    def __init__(self, params, targets: Sequence[float], lam: float = 0.0, decay: float = 0.99,
-                 sensitivity: str | None = "none"):
-        super().__init__(params, None, lam=lam, decay=decay, sensitivity=sensitivity)
-        self.targets = list(targets)
-
-    def before_step(self, model, optimizer) -> None:
-        if self.lam > 0:
-            super().before_step(model, optimizer)
-
-    def on_epoch_end(self, epoch, model, history) -> None:
-        self._record_gates(history)
-        done = len(history.get("sparsity", []))
-        apply_global_magnitude(self.params, self.targets[min(done, len(self.targets) - 1)])
-        history.setdefault("sparsity", []).append(sparsity(self.params))
-        self.lam = self.lam0 * self.decay ** (epoch + 1)
-
-
-class MagnitudeSchedulePruner:
-    """Plain iterative magnitude pruning (chapter 6): after epoch ``e`` of ``epochs``, prune
-    globally by magnitude to ``final * (e + 1) / epochs`` sparsity, whatever the loss says."""
-
-    def __init__(self, params, final: float, epochs: int, start_epoch: int = 0):
-        if not 0.0 <= final < 1.0:
-            raise ValueError(f"final must be in [0, 1); got {final}")
-        self.params, self.final, self.epochs, self.start = params, final, epochs, start_epoch
-        attach_masks(params)
-
-    def target(self, epoch: int) -> float:
-        done = min(epoch + 1 - self.start, self.epochs)
-        return self.final * max(done, 0) / self.epochs
-
-    def on_epoch_end(self, epoch, model, history) -> None:
-        apply_global_magnitude(self.params, self.target(epoch))
-        history.setdefault("sparsity", []).append(sparsity(self.params))
-
-
-# ----------------------------------------------------------------------------- SNIP
-
-def snip_masks(model: nn.Module, params, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
-               fraction: float) -> list[torch.Tensor]:
-    """SNIP (Lee et al. 2019; chapter 6): connection sensitivity ``|dL/dw * w|`` on one
-    batch at initialization; keep the ``1 - fraction`` most sensitive weights, globally."""
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"fraction must be in [0, 1); got {fraction}")
-    model.zero_grad(set_to_none=True)
-    loss, _ = loss_fn(model, x, y)
-    tensors = [_orig(m, n) for m, n in params]
-    grads = torch.autograd.grad(loss, tensors)
-    scores = [(g * w).abs().detach() for g, w in zip(grads, tensors)]
-    flat = torch.cat([s.flatten() for s in scores])
-    k = int(round(fraction * flat.numel()))
-    if k == 0:
-        return [torch.ones_like(s) for s in scores]
-    threshold = torch.kthvalue(flat.float().cpu(), k).values.item()
-    return [(s > threshold).to(s.dtype) for s in scores]

@@ -2,11 +2,11 @@
 
 Data stays on the device as tensors; batches are index slices of a seeded
 permutation, so there is no DataLoader or per-sample Python work. Each step is
-:func:`capslib.steps.train_step`; ``fit(..., fast=...)`` runs it with static batch shapes, fused Adam
-and, on CUDA, captured in a CUDA graph (:mod:`capslib.steps`). Checkpoints
-(:mod:`capslib.checkpoints`) carry the fingerprint of the run that wrote them: a run resumes only a
+:func:`capslib.engine.steps.train_step`; ``fit(..., fast=...)`` runs it with static batch shapes, fused Adam
+and, on CUDA, captured in a CUDA graph (:mod:`capslib.engine.steps`). Checkpoints
+(:mod:`capslib.engine.checkpoints`) carry the fingerprint of the run that wrote them: a run resumes only a
 checkpoint of its own configuration. Data-parallel training under ``torchrun`` is
-:mod:`capslib.distributed`.
+:mod:`capslib.engine.distributed`.
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import steps as _steps
-from .checkpoints import (  # noqa: F401  (re-exported: callers use capslib.train.<name>)
+from .engine import steps as _steps
+from .engine.checkpoints import (  # noqa: F401  (re-exported: callers use capslib.train.<name>)
     fingerprint_difference, load_checkpoint, resumable, run_fingerprint, save_checkpoint,
 )
 from .data import DATA_DIR, Split
-from .distributed import (  # noqa: F401  (re-exported)
+from .engine.distributed import (  # noqa: F401  (re-exported)
     broadcast_parameters, distributed_ranks, init_distributed, sum_gradients, sum_over_ranks,
 )
 
@@ -38,7 +38,7 @@ def checkpoint_path(name: str, profile: str | None = None) -> Path:
     """``data/checkpoints/<profile>/<name>.pt`` (git-ignored; ``<profile>-smoke`` in a smoke run).
     ``$CAPSBOOK_CHECKPOINTS`` replaces ``data/checkpoints``: ``make publish`` points it at an empty
     folder so that every training of the published outputs starts from scratch."""
-    from . import switches
+    from .engine import switches
 
     root = os.environ.get("CAPSBOOK_CHECKPOINTS", "").strip()
     return (Path(root) if root else DATA_DIR / "checkpoints") / (profile or switches.storage_name()) / f"{name}.pt"
@@ -149,12 +149,12 @@ def fit(
         amp: bf16 autocast on CUDA (default: on for CUDA).
         eval_batch_size: images per forward pass when ``val`` is scored after each epoch.
         compile: train through ``torch.compile(model, backend=compile_backend)`` (default: when
-            ``$CAPSBOOK_COMPILE`` is set, see :func:`capslib.switches.compile_requested`). Off by
+            ``$CAPSBOOK_COMPILE`` is set, see :func:`capslib.engine.switches.compile_requested`). Off by
             default: the book's timings are eager. Checkpoints hold the plain model's weights.
         augment: ``augment(x) -> x`` applied to every training batch before the forward pass (e.g.
             :class:`capslib.data.RandomShift`, the paper's shifts); it joins the fingerprint.
-        seed: seeds the minibatch permutations (default: the run's seed, :func:`capslib.switches.default_seed`).
-        fast: the fast training step (:mod:`capslib.steps`). Off by default (``None`` reads
+        seed: seeds the minibatch permutations (default: the run's seed, :func:`capslib.engine.switches.default_seed`).
+        fast: the fast training step (:mod:`capslib.engine.steps`). Off by default (``None`` reads
             ``$CAPSBOOK_FAST``, unset: off), so every ``ci`` number is made by the eager step.
             ``"static"``: every step ``batch_size`` images (the permutation's last partial batch is
             dropped; ``history["images_seen"]`` counts each epoch's images) and, when ``fit`` makes the
@@ -189,7 +189,7 @@ def fit(
         raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
     device = train.x.device
     amp = device.type == "cuda" if amp is None else amp
-    from . import switches
+    from .engine import switches
     step_model = model
     compiled = switches.compile_requested() if compile is None else compile
     if compiled:

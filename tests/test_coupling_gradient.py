@@ -146,26 +146,26 @@ def test_bad_inputs():
 
 
 def test_relative_low_threshold():
-    assert cg.relative_low(10) == pytest.approx(0.01) and cg.relative_low(4, 0.5) == pytest.approx(0.125)
+    assert ch04.relative_low(10) == pytest.approx(0.01) and ch04.relative_low(4, 0.5) == pytest.approx(0.125)
     uniform = torch.full((2, 3, 10), 0.1)
-    assert cg.polarization(uniform, low=cg.relative_low(10))["frac_low"] == 0.0
+    assert cg.polarization(uniform, low=ch04.relative_low(10))["frac_low"] == 0.0
     with pytest.raises(ValueError, match="factor"):
-        cg.relative_low(10, 1.5)
+        ch04.relative_low(10, 1.5)
 
 
 def test_margin_upstream_is_the_loss_gradient_of_the_scaled_routing():
     u, _ = _votes(B=3, I=5, J=4, D=3)
     y = torch.tensor([0, 3, 1])
     for lam, alpha in ((1.0, 1.0), (8.0, 1.0), (1.0, 3.0)):
-        votes, gv = cg.margin_upstream(u, y, 3, lam, alpha)
+        votes, gv = ch04.margin_upstream(u, y, 3, lam, alpha)
         torch.testing.assert_close(votes, alpha * u)
         v = cg.scaled_routing(votes, 3, lam)[0].detach().requires_grad_(True)
         (ref,) = torch.autograd.grad(capslib.margin_loss(v.norm(dim=-1), y), v)
         torch.testing.assert_close(gv, ref)
     # a different lambda routes differently, so the upstream gradient differs
-    assert not torch.allclose(cg.margin_upstream(u, y, 3, 1.0)[1], cg.margin_upstream(u, y, 3, 8.0)[1])
+    assert not torch.allclose(ch04.margin_upstream(u, y, 3, 1.0)[1], ch04.margin_upstream(u, y, 3, 8.0)[1])
     with pytest.raises(ValueError, match="y must be"):
-        cg.margin_upstream(u, y[:2])
+        ch04.margin_upstream(u, y[:2])
 
 
 def test_vote_gains_against_the_two_terms():

@@ -374,7 +374,8 @@ def test_tagged_runs_keep_their_files_apart(monkeypatch):
 
 _SHORT_CH2_RUN = r"""
 import json, torch, capslib
-from capslib import checkpoints, data, models, train
+from capslib import data, models, train
+from capslib.engine import checkpoints
 from capslib.book import profiles
 sess = capslib.book.setup(quiet=True)
 cfg = profiles.settings("02_dynamic_routing", "ci")
@@ -415,7 +416,7 @@ def test_the_seed_reaches_the_minibatch_order(monkeypatch):
     seed: seeds 0 and 1 train the same initial weights to different ones, and seed 1 read from the
     environment trains them as seed=1 passed by hand. (In this process, on a tiny network; the
     two-process test above checks that one seed repeats to the bit.)"""
-    from capslib import checkpoints, switches
+    from capslib.engine import checkpoints, switches
     d = data.embedded_mnist()["train"].subset(64)
     monkeypatch.setattr(switches, "_RUN", {k: v for k, v in switches._RUN.items() if k != "seed"})
     digests = {}

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import capslib
 from capslib import em, em_layers
+from capslib.book import ch05
 
 
 def plain_em(V, a, beta_u, beta_a, iterations, final_lambda=em.FINAL_LAMBDA, var_floor=em.VAR_FLOOR, eps=em.EPS,
@@ -290,16 +291,16 @@ def test_routing_stays_float32_under_bf16_autocast():
 def test_matched_cnn_is_the_nearest_in_parameters_and_refuses_bad_input():
     from capslib import models
     target = models.count_parameters(em_layers.EMCapsNet(A=16, B=4, C=4, D=4))
-    w = em_layers.matched_width(target)
-    count = lambda k: models.count_parameters(em_layers.SmallConvNet(k))   # noqa: E731
+    w = ch05.matched_width(target)
+    count = lambda k: models.count_parameters(ch05.SmallConvNet(k))   # noqa: E731
     assert abs(count(w) - target) <= min(abs(count(w - 1) - target), abs(count(w + 1) - target))
-    assert em_layers.matched_width(1) == 1
+    assert ch05.matched_width(1) == 1
     for side in (28, 40):
-        assert em_layers.SmallConvNet(w)(torch.rand(3, 1, side, side)).shape == (3, 10)
+        assert ch05.SmallConvNet(w)(torch.rand(3, 1, side, side)).shape == (3, 10)
     with pytest.raises(ValueError, match=r"x must be \(B, 1, H, W\)"):
-        em_layers.SmallConvNet(w)(torch.rand(3, 2, 28, 28))
+        ch05.SmallConvNet(w)(torch.rand(3, 2, 28, 28))
     with pytest.raises(ValueError, match="width"):
-        em_layers.SmallConvNet(0)
+        ch05.SmallConvNet(0)
 
 
 def test_renormalising_over_parents_cancels_the_activations():

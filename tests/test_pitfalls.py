@@ -6,6 +6,7 @@ import torch
 
 import capslib
 from capslib import pitfalls
+from capslib.book import ch02
 
 
 def _votes(seed=0, B=3, I=12, J=5, D=6, scale=0.5):
@@ -56,8 +57,8 @@ def test_zero_input_capsule_poisons_routing_and_gradients():
         loss.backward(retain_graph=True)
         # example 0's votes get NaN gradients even when the loss leaves example 0 out (0 * inf in the
         # backward pass of the quotient); the other examples' gradients stay finite
-        assert pitfalls.nonfinite_count(u.grad[0]) == u[0].numel()
-        assert pitfalls.nonfinite_count(u.grad[1:]) == 0
+        assert ch02.nonfinite_count(u.grad[0]) == u[0].numel()
+        assert ch02.nonfinite_count(u.grad[1:]) == 0
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -79,7 +80,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="lengths"):
         pitfalls.length_penalty(torch.tensor([0.5, 1.0]))
     with pytest.raises(ValueError, match="vote_std"):
-        pitfalls.noise_parent_length(10, 2, 4, 0.0)
+        ch02.noise_parent_length(10, 2, 4, 0.0)
     with pytest.raises(ValueError, match="temperature"):
         c = torch.full(u.shape[:3], 1 / u.shape[2], dtype=u.dtype)
         pitfalls.objective(u, c, capslib.squash(u.mean(1)), temperature=-1.0)
@@ -145,8 +146,8 @@ def test_ascent_routing_never_lowers_the_objective():
 
 
 def test_noise_parent_length_prediction():
-    assert math.isclose(pitfalls.noise_parent_length(100, 10, 16, 0.5), 4.0 / 5.0)
+    assert math.isclose(ch02.noise_parent_length(100, 10, 16, 0.5), 4.0 / 5.0)
     g = torch.Generator().manual_seed(0)
     u = 0.3 * torch.randn(400, 64, 8, 8, generator=g, dtype=torch.float64)
     v, _ = capslib.dynamic_routing(u, 1)
-    assert abs(float(v.norm(dim=-1).mean()) - pitfalls.noise_parent_length(64, 8, 8, 0.3)) < 0.03
+    assert abs(float(v.norm(dim=-1).mean()) - ch02.noise_parent_length(64, 8, 8, 0.3)) < 0.03

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 import capslib
 from capslib import poe, poe_models
+from capslib.book import ch07
 
 
 def _problem(B=3, I=5, J=4, Do=3, Di=2, seed=0, dtype=torch.float64):
@@ -267,7 +268,7 @@ def test_exact_gradient_with_couplings_fixed_is_data_minus_model_term():
     p_model = torch.softmax(neg_f, 0)
     d = torch.stack([poe.data_term(W, states[s:s + 1], c[s:s + 1]) for s in range(len(states))])
     expected = torch.einsum("s,sijoe->ijoe", data - p_model, d)
-    torch.testing.assert_close(poe.exact_log_likelihood_gradient(W, states, data), expected)
+    torch.testing.assert_close(ch07.exact_log_likelihood_gradient(W, states, data), expected)
     # the data half is the batch data term of Algorithm 1 on the same draws
     torch.testing.assert_close(torch.einsum("s,sijoe->ijoe", data, d), poe.data_term(W, x, poe.cosine_routing(
         poe.votes(W, x), 3)))
@@ -282,7 +283,7 @@ def test_exact_gradient_through_couplings_matches_finite_differences():
         neg_f = torch.log1p((z * z).sum(-1)).sum(1)
         return float((data * (neg_f - torch.logsumexp(neg_f, 0))).sum())
 
-    grad = poe.exact_log_likelihood_gradient(W, states, data, through_couplings=True)
+    grad = ch07.exact_log_likelihood_gradient(W, states, data, through_couplings=True)
     for idx in [(0, 0, 0, 0), (1, 1, 1, 0), (0, 1, 0, 1)]:
         Wp, Wm = W.clone(), W.clone()
         Wp[idx] += 1e-6
@@ -296,12 +297,12 @@ def test_exact_gradient_and_gibbs_cd1_vanish_when_the_data_follow_the_model():
     z = poe.route_forward(W, states, c)
     p_model = torch.softmax(torch.log1p((z * z).sum(-1)).sum(1), 0)
     zero = torch.zeros_like(W)
-    torch.testing.assert_close(poe.exact_log_likelihood_gradient(W, states, p_model), zero)
+    torch.testing.assert_close(ch07.exact_log_likelihood_gradient(W, states, p_model), zero)
     # a Gibbs step leaves the model distribution where it is, so its expected CD-1 update is 0 as well
-    torch.testing.assert_close(poe.gibbs_cd1_expected(W, states, p_model), zero)
+    torch.testing.assert_close(ch07.gibbs_cd1_expected(W, states, p_model), zero)
     # on other data it is not 0 and points along the exact gradient
     _, _, data, _ = _enumerable_toy(seed=4)
-    gibbs, exact = poe.gibbs_cd1_expected(W, states, data), poe.exact_log_likelihood_gradient(W, states, data)
+    gibbs, exact = ch07.gibbs_cd1_expected(W, states, data), ch07.exact_log_likelihood_gradient(W, states, data)
     assert float((gibbs.flatten() @ exact.flatten()) / (gibbs.norm() * exact.norm())) > 0.5
 
 
@@ -318,15 +319,15 @@ def test_gibbs_cd1_matches_sampling():
     log_w = h @ torch.log(n2).T                                     # (n, S)
     x2 = torch.multinomial(torch.softmax(log_w, 1), 1, generator=g).squeeze(1)
     sampled = torch.einsum("s,sijoe->ijoe", data, d) - d[x2].mean(0)
-    torch.testing.assert_close(poe.gibbs_cd1_expected(W, states, data), sampled, atol=0.02, rtol=0)
+    torch.testing.assert_close(ch07.gibbs_cd1_expected(W, states, data), sampled, atol=0.02, rtol=0)
 
 
 def test_exact_gradient_rejects_bad_data():
     W, states, data, _ = _enumerable_toy()
     with pytest.raises(ValueError, match="probability vector"):
-        poe.exact_log_likelihood_gradient(W, states, 2 * data)
+        ch07.exact_log_likelihood_gradient(W, states, 2 * data)
     with pytest.raises(ValueError, match="one weight per state"):
-        poe.gibbs_cd1_expected(W, states, data[:-1])
+        ch07.gibbs_cd1_expected(W, states, data[:-1])
 
 
 def test_sparsity_term_is_the_ascent_direction_of_the_penalty():

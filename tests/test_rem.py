@@ -205,11 +205,11 @@ def test_snip_masks_keep_requested_fraction():
     net = _net()
     params = pruning.prunable(net)
     x, y = torch.rand(8, 1, 28, 28), torch.randint(0, 3, (8,))
-    masks = pruning.snip_masks(net, params, rem.margin_loss_fn, x, y, 0.7)
+    masks = ch06.snip_masks(net, params, rem.margin_loss_fn, x, y, 0.7)
     kept = sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
     assert abs(kept - 0.3) < 0.01
     with pytest.raises(ValueError, match="fraction"):
-        pruning.snip_masks(net, params, rem.margin_loss_fn, x, y, 1.0)
+        ch06.snip_masks(net, params, rem.margin_loss_fn, x, y, 1.0)
 
 
 # ------------------------------------------------------------------ saliency (Eq. 16), FC CapsNet
@@ -333,7 +333,7 @@ def test_matched_pruner_follows_the_targets_and_records_gates():
     torch.manual_seed(0)
     lin = torch.nn.Linear(20, 10, bias=False)
     params = [(lin, "weight")]
-    pr = pruning.MatchedPruner(params, [0.3, 0.6], lam=0.05, decay=0.5, sensitivity="none")
+    pr = ch06.MatchedPruner(params, [0.3, 0.6], lam=0.05, decay=0.5, sensitivity="none")
     history = {}
     for epoch in range(3):
         lin.weight_orig.grad = torch.randn(10, 20) * 1e-3
@@ -342,7 +342,7 @@ def test_matched_pruner_follows_the_targets_and_records_gates():
     assert history["sparsity"] == pytest.approx([0.3, 0.6, 0.6])
     assert len(history["gate_active"]) == 3 and all(g["applied"] == 0.0 for g in history["gate_active"])
     assert pr.lam == pytest.approx(0.05 * 0.5 ** 3)
-    none = pruning.MatchedPruner([(torch.nn.Linear(4, 4, bias=False), "weight")], [0.5], lam=0.0)
+    none = ch06.MatchedPruner([(torch.nn.Linear(4, 4, bias=False), "weight")], [0.5], lam=0.0)
     before = none.params[0][0].weight_orig.detach().clone()
     none.params[0][0].weight_orig.grad = torch.ones(4, 4)
     none.before_step(None, None)                                       # lam = 0: no shrinkage, nothing recorded

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capslib import soft_routing as sr
+from capslib.book import ch03
 
 
 def _net(d_in=6, d_out=4, routes=3, seed=0, std=0.5):
@@ -144,12 +145,12 @@ def test_train_gd_lowers_energy():
 def test_mixing_statistics():
     labels = torch.tensor([0, 0, 1, 1])
     routed = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
-    assert math.isclose(float(sr.route_class_mutual_information(routed, labels, 2)), 1.0, abs_tol=1e-9)
-    assert math.isclose(float(sr.routing_entropy(routed)), 0.0, abs_tol=1e-9)
+    assert math.isclose(float(ch03.route_class_mutual_information(routed, labels, 2)), 1.0, abs_tol=1e-9)
+    assert math.isclose(float(ch03.routing_entropy(routed)), 0.0, abs_tol=1e-9)
     even = torch.full((4, 2), 0.7, dtype=torch.float64)
-    assert math.isclose(float(sr.route_class_mutual_information(even, labels, 2)), 0.0, abs_tol=1e-9)
-    assert math.isclose(float(sr.routing_entropy(even)), 1.0, abs_tol=1e-9)
-    torch.testing.assert_close(sr.route_usage(routed, labels, 2), torch.eye(2, dtype=torch.float64))
+    assert math.isclose(float(ch03.route_class_mutual_information(even, labels, 2)), 0.0, abs_tol=1e-9)
+    assert math.isclose(float(ch03.routing_entropy(even)), 1.0, abs_tol=1e-9)
+    torch.testing.assert_close(ch03.route_usage(routed, labels, 2), torch.eye(2, dtype=torch.float64))
 
 
 def test_with_bias_and_one_hot():
@@ -199,7 +200,7 @@ def test_route_gradient_vs_alone_tells_a_multiplying_gate_from_one_that_reads_th
     x, y_star = _batch(9, 5, 3)
     R, P = net.R.detach(), net.P.detach()
     r, y = forward(R, P, x)
-    s = sr.route_gradient_vs_alone(_sample_energy_of(forward, R), P, x, y_star, r, y - y_star, chunk=4)
+    s = ch03.route_gradient_vs_alone(_sample_energy_of(forward, R), P, x, y_star, r, y - y_star, chunk=4)
     assert s.deviation.shape == (9, 4) and s.norm_ratio.shape == (9, 4)
     if scaled:
         assert float(s.deviation.max()) < 1e-12
@@ -212,7 +213,7 @@ def test_route_gradient_vs_alone_rejects_bad_shapes():
     net = _net(d_in=5, d_out=3, routes=2)
     x, y_star = _batch(4, 5, 3)
     with pytest.raises(ValueError, match="shapes must be"):
-        sr.route_gradient_vs_alone(lambda P, xn, tn: P.sum(), net.P, x, y_star, torch.rand(4, 3, dtype=torch.float64),
+        ch03.route_gradient_vs_alone(lambda P, xn, tn: P.sum(), net.P, x, y_star, torch.rand(4, 3, dtype=torch.float64),
                                    y_star)
 
 
@@ -233,7 +234,7 @@ def test_slides_variant_reproduces_the_hand_coded_update():
     x, y = _ablation_data()
     a, b = _ablation_net(), _ablation_net()
     sr.train_gd(a, x, y, epochs=2, batch_size=20, lr=0.05, seed=3, progress=False)
-    sr.train_variant(b, x, y, "slides", epochs=2, batch_size=20, lr=0.05, seed=3)
+    ch03.train_variant(b, x, y, "slides", epochs=2, batch_size=20, lr=0.05, seed=3)
     torch.testing.assert_close(b.R.detach(), a.R.detach())
     torch.testing.assert_close(b.P.detach(), a.P.detach())
 
@@ -242,9 +243,9 @@ def test_no_r_in_eta_drops_only_the_routes_factor_r():
     x, y = _ablation_data()
     t = sr.one_hot(y, 4, dtype=torch.float64)
     net = _ablation_net()
-    r, Y, out = sr.variant_outputs(net, x, "no r in eta")
+    r, Y, out = ch03.variant_outputs(net, x, "no r in eta")
     torch.testing.assert_close(out, net(x))                    # same forward values
-    sr.variant_energy(r, Y, out, t, "no r in eta").backward()
+    ch03.variant_energy(r, Y, out, t, "no r in eta").backward()
     sig = sr.error_signals(r.detach(), Y.detach(), t)
     eta_without_r = sig.eta / r.detach().unsqueeze(2)          # Eq. ch3-eta without its factor r(j)
     torch.testing.assert_close(net.P.grad, torch.einsum("nmo,ni->moi", eta_without_r, x))
@@ -254,21 +255,21 @@ def test_no_r_in_eta_drops_only_the_routes_factor_r():
 def test_competitive_error_scores_each_route_on_its_own_output():
     x, y = _ablation_data(n=5)
     t = sr.one_hot(y, 4, dtype=torch.float64)
-    r, Y, out = sr.variant_outputs(_ablation_net(), x, "competitive error")
+    r, Y, out = ch03.variant_outputs(_ablation_net(), x, "competitive error")
     q = r / r.sum(dim=1, keepdim=True)
     want = sum(0.5 * float(q[n, j]) * float(((t[n] - Y[n, j]) ** 2).sum()) for n in range(5) for j in range(3))
-    assert float(sr.variant_energy(r, Y, out, t, "competitive error")) == pytest.approx(want, rel=1e-12)
+    assert float(ch03.variant_energy(r, Y, out, t, "competitive error")) == pytest.approx(want, rel=1e-12)
 
 
 def test_gates_sum_to_one_on_average_and_bad_arguments():
     x, y = _ablation_data()
-    net = sr.init_gates_sum_to_one(_ablation_net(), x)
+    net = ch03.init_gates_sum_to_one(_ablation_net(), x)
     assert float(net.routing(x).sum(dim=1).mean()) == pytest.approx(1.0, abs=1e-9)
     with pytest.raises(ValueError, match="variant must be one of"):
-        sr.train_variant(_ablation_net(), x, y, "cooperative", epochs=1, batch_size=10, lr=0.1)
+        ch03.train_variant(_ablation_net(), x, y, "cooperative", epochs=1, batch_size=10, lr=0.1)
     with pytest.raises(ValueError, match="epochs must be an int >= 1"):
-        sr.train_variant(_ablation_net(), x, y, "slides", epochs=0, batch_size=10, lr=0.1)
-    hist = sr.train_variant(_ablation_net(), x, y, "softmax gate", epochs=2, batch_size=30, lr=0.05)
+        ch03.train_variant(_ablation_net(), x, y, "slides", epochs=0, batch_size=10, lr=0.1)
+    hist = ch03.train_variant(_ablation_net(), x, y, "softmax gate", epochs=2, batch_size=30, lr=0.05)
     assert len(hist["entropy"]) == len(hist["mutual_information"]) == 3
     assert hist["gate_sum"] == pytest.approx([1.0] * 3)       # a softmax gate always sums to 1
     assert len(hist["mean_gate"]) == 3 and all(len(g) == 3 for g in hist["mean_gate"])   # (epochs + 1) x M routes

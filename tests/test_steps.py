@@ -1,11 +1,12 @@
-"""capslib.steps and fit(fast=...) on the CPU: the static path equals the eager one where the batches
+"""capslib.engine.steps and fit(fast=...) on the CPU: the static path equals the eager one where the batches
 divide the training set, the partial last batch is dropped, fused Adam stays within a few float32
 rounding steps of the plain one, and the CUDA-graph loop (buffers, warm-up, capture, replay, the
 learning-rate tensor, the fallback) runs with a stand-in for the CUDA calls."""
 import pytest
 import torch
 
-from capslib import checkpoints, data, models, steps, train
+from capslib import data, models, train
+from capslib.engine import checkpoints, steps
 
 
 def _tiny():

@@ -17,9 +17,9 @@ SMOKE_KEYS = ("03/routes/M4/s0", "03/routes/M1/s0", "03/ablation/slides/s0", "03
 def test_every_chapter3_unit_is_declared_and_projected_within_eight_minutes():
     units = U.all_units("03")
     keys = {u.key for u in units}
-    assert len(units) == len(ch03.UNIT_ROUTES) * len(ch03.UNIT_SEEDS) + len(sr.VARIANTS) * len(ch03.ABLATION_SEEDS)
+    assert len(units) == len(ch03.UNIT_ROUTES) * len(ch03.UNIT_SEEDS) + len(ch03.VARIANTS) * len(ch03.ABLATION_SEEDS)
     assert {f"03/routes/M{M}/s{s}" for M in (1, 2, 4, 8) for s in range(5)} <= keys
-    assert {f"03/ablation/{ch03.VARIANT_NAMES[v]}/s4" for v in sr.VARIANTS} <= keys
+    assert {f"03/ablation/{ch03.VARIANT_NAMES[v]}/s4" for v in ch03.VARIANTS} <= keys
     for u in units:
         assert U.projected_seconds(u) <= 8 * 60, u.key
         assert u.images == u.config["epochs"] * u.config["train_images"], u.key

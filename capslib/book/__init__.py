@@ -16,7 +16,7 @@ import importlib
 
 from .session import setup
 
-_SUBMODULES = {"session", "profiles", "results", "claims", "paper", "stats", "spread", "viz",
+_SUBMODULES = {"session", "profiles", "results", "claims", "paper", "stats", "spread", "viz", "timing",
                "widgets", "units", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07"}
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import data, models, multimnist, train
 from . import paper
+from ..checks import check_positive_int
 from ..ops import margin_loss
 from .units import Unit, built_in_float64, cuda_speed_settings, encode_array, register, step_summary
 
@@ -607,3 +608,24 @@ def draw_multimnist(result: dict):
     x, d, r = (decode_array(a[k]) / 255.0 for k in ("shown_input", "shown_digits", "shown_reconstructions"))
     return draw_pairs(x, d, r, decode_array(a["shown_labels"]), decode_array(a["shown_top2"]),
                       "MultiMNIST test pairs at paper scale: labels → two longest capsules")
+
+
+# ----------------------------------------------------------------------------- the pitfalls' measurements
+
+def noise_parent_length(inputs: int, parents: int, dim: int, vote_std: float) -> float:
+    """Predicted length of a parent of uniform couplings fed only by independent random votes
+    ``N(0, vote_std^2 I_dim)``: ``m / (1 + m)`` with ``m = E||s_j||^2 = vote_std^2 * inputs * dim /
+    parents^2`` (the squash applied to the mean squared length of ``s_j = (1/J) sum_i u_hat_{j|i}``)."""
+    for name, v in [("inputs", inputs), ("parents", parents), ("dim", dim)]:
+        check_positive_int(name, v)
+    if not (isinstance(vote_std, (int, float)) and vote_std > 0 and math.isfinite(vote_std)):
+        raise ValueError(f"vote_std must be a positive number; got {vote_std!r}")
+    m = vote_std ** 2 * inputs * dim / parents ** 2
+    return m / (1 + m)
+
+
+def nonfinite_count(t: torch.Tensor | None) -> int:
+    """Number of NaN or infinite entries of a tensor (0 for None, e.g. a parameter without a gradient)."""
+    if t is None:
+        return 0
+    return int((~torch.isfinite(t)).sum())

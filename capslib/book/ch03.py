@@ -1,20 +1,223 @@
 """Chapter 3 (soft-routing gradients): its sizes per profile, its figures, and its experiment units
 at paper scale (``03/routes/M<M>/s<k>``, ``03/ablation/<variant>/s<k>``; see the notes above
-:func:`unit_run`) with the views that draw them; the network, its gradients and training live in the
-library, :mod:`capslib.soft_routing`."""
+:func:`unit_run`) with the views that draw them; the ablation's variants and the measures of route use
+(entropy, mutual information). The network, its gradients and training live in the library,
+:mod:`capslib.soft_routing`."""
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from .. import data, soft_routing as sr, train
+from ..checks import check_positive_int, check_tensor
+from ..soft_routing import SoftRoutingNet, energy, one_hot
 from . import profiles
 from .units import Unit, encode_array, register, seed_spread
 from .viz import heatmap_grid
 
 CHAPTER = "03_soft_routing_gradients"
+
+
+# ----------------------------------------------------------------------------- the collapse's ablations; route use and entropy
+
+class Scaling(NamedTuple):
+    deviation: torch.Tensor   # (N, M) ||dE_n/dP^j - r_n(j) A^j_n|| / ||dE_n/dP^j||
+    norm_ratio: torch.Tensor  # (N, M) ||dE_n/dP^j|| / ||A^j_n||
+
+
+def route_gradient_vs_alone(sample_energy: Callable, P: torch.Tensor, x: torch.Tensor, y_star: torch.Tensor,
+                            r: torch.Tensor, delta: torch.Tensor, chunk: int = 250) -> Scaling:
+    """Test chapter 3's claim (Eq. ch3-dyj) with autograd alone: is the gradient reaching route ``j``
+    ``r(j)`` times the gradient the route would get on its own from the same output error?
+
+    Args:
+        sample_energy: ``sample_energy(P, x_n, y*_n)``, one sample's energy as a function of the route
+            weights ``P (M, O, I)`` (any network: the gate may or may not depend on ``P``).
+        P: route weights ``(M, O, I)`` at which to differentiate.
+        x, y_star: inputs ``(N, I)`` and targets ``(N, O)``.
+        r: the network's routing weights ``(N, M)`` at ``P``.
+        delta: the network's output error ``dE/dy = y - y*`` ``(N, O)`` at ``P``.
+
+    Per sample ``n`` and route ``j``, ``G^j_n = dE_n/dP^j`` is autograd's gradient of
+    ``sample_energy`` (``torch.func.grad`` under ``vmap``) and ``A^j_n`` autograd's vector-Jacobian
+    product of the lone route ``sigma(P^j x_n)`` with ``delta_n``. Neither uses the hand derivation.
+    Returns :class:`Scaling`: ``deviation = ||G - r A|| / ||G||`` (0 up to rounding when the gate only
+    multiplies the route's output) and ``norm_ratio = ||G|| / ||A||`` (then equal to ``r``).
+    """
+    from torch.func import grad, vjp, vmap
+
+    check_tensor("P", P, dims=3, floating=True, shape_doc="(M, O, I)")
+    check_tensor("x", x, dims=2, floating=True, shape_doc="(N, I)")
+    check_positive_int("chunk", chunk)
+    M, O, I = P.shape
+    N = x.shape[0]
+    if x.shape[1] != I or y_star.shape != (N, O) or r.shape != (N, M) or delta.shape != (N, O):
+        raise ValueError(f"shapes must be P (M, O, I), x (N, I), y_star (N, O), r (N, M), delta (N, O); got "
+                         f"P {tuple(P.shape)}, x {tuple(x.shape)}, y_star {tuple(y_star.shape)}, "
+                         f"r {tuple(r.shape)}, delta {tuple(delta.shape)}")
+    P = P.detach()
+
+    def alone(xn, dn):
+        # the M routes side by side, each sigma(P^j x_n) on its own; they do not interact in this map,
+        # so the product with delta_n in every route's slot is each lone route's gradient
+        _, pullback = vjp(lambda Q: torch.sigmoid(Q @ xn), P)
+        return pullback(dn.expand(M, O))[0]
+
+    deviation, ratio = [], []
+    for s in range(0, N, chunk):
+        sl = slice(s, s + chunk)
+        G = vmap(grad(sample_energy), in_dims=(None, 0, 0))(P, x[sl], y_star[sl]).flatten(2)  # (n, M, O*I)
+        A = vmap(alone)(x[sl], delta[sl].detach()).flatten(2)
+        g_norm = G.norm(dim=2)
+        deviation.append((G - r[sl].detach().unsqueeze(2) * A).norm(dim=2) / g_norm.clamp_min(torch.finfo(G.dtype).tiny))
+        ratio.append(g_norm / A.norm(dim=2).clamp_min(torch.finfo(A.dtype).tiny))
+    return Scaling(torch.cat(deviation), torch.cat(ratio))
+
+
+VARIANTS = ("slides", "no r in eta", "softmax gate", "competitive error", "gates sum to 1")
+
+
+def variant_outputs(net: SoftRoutingNet, x: torch.Tensor, variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(r, Y, y)`` of ``net`` on ``x`` as the training ``variant`` computes them (autograd graph kept).
+
+    * ``"slides"``, ``"gates sum to 1"``: the slides' network, ``r = sigma(R x)``, ``y = r Y``
+      (the second differs only in its initialisation, :func:`init_gates_sum_to_one`);
+    * ``"no r in eta"``: the same forward values, but the routes receive the output error without the
+      factor ``r(j)`` of Eq. ch3-eta (``y = sum_j r_j sg(y^j) + sum_j (y^j - sg(y^j))``, ``sg`` = detach:
+      the gate still gets ``delta . y^j``, route ``j`` gets ``delta`` itself);
+    * ``"softmax gate"``: ``r = softmax(R x)`` over the routes, ``y = r Y``;
+    * ``"competitive error"``: the slides' forward; :func:`variant_energy` scores it differently.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    net._check_x(x)
+    a = x @ net.R.T
+    r = torch.softmax(a, dim=1) if variant == "softmax gate" else torch.sigmoid(a)
+    Y = torch.sigmoid(torch.einsum("moi,ni->nmo", net.P, x))
+    if variant == "no r in eta":
+        Yd = Y.detach()
+        y = torch.einsum("nm,nmo->no", r, Yd) + (Y - Yd).sum(dim=1)
+    else:
+        y = torch.einsum("nm,nmo->no", r, Y)
+    return r, Y, y
+
+
+def variant_energy(r: torch.Tensor, Y: torch.Tensor, y: torch.Tensor, y_star: torch.Tensor, variant: str) -> torch.Tensor:
+    """The energy a variant minimises, summed over the batch: the slides' cooperative
+    ``1/2 sum_n ||y*_n - y_n||^2`` for every variant but ``"competitive error"``, whose energy is
+    Jacobs et al.'s ``1/2 sum_n sum_j q_n(j) ||y*_n - y^j_n||^2`` with ``q = r / sum_k r(k)``
+    (each route is scored on its own output, weighted by its share of the gate)."""
+    if variant == "competitive error":
+        q = route_distribution(r)
+        return 0.5 * (q * ((y_star.unsqueeze(1) - Y) ** 2).sum(dim=2)).sum()
+    return energy(y, y_star)
+
+
+def init_gates_sum_to_one(net: SoftRoutingNet, x: torch.Tensor) -> SoftRoutingNet:
+    """Shift the gate's bias (the weight of the constant input, the last column of ``R``) by one common
+    amount so that the gates sum to 1 on average over the inputs ``x``: ``mean_n sum_j r_n(j) = 1``
+    (found by bisection; the sum falls monotonically as the shift falls)."""
+    net._check_x(x)
+    if net.routes < 2:
+        raise ValueError(f"init_gates_sum_to_one needs at least 2 routes; the net has {net.routes}")
+    with torch.no_grad():
+        a = x @ net.R.T
+        lo, hi = -50.0, 50.0
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            if float(torch.sigmoid(a + mid).sum(dim=1).mean()) > 1.0:
+                hi = mid
+            else:
+                lo = mid
+        net.R[:, -1] += 0.5 * (lo + hi)
+    return net
+
+
+def train_variant(net: SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, variant: str, *, epochs: int,
+                  batch_size: int, lr: float, seed: int = 0, probe: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """Minibatch gradient descent on :func:`variant_energy` (autograd; same schedule as :func:`capslib.soft_routing.train_gd`:
+    a seeded permutation per epoch, energy summed over the minibatch, step ``lr``). ``"gates sum to 1"``
+    first shifts the gate's bias with :func:`init_gates_sum_to_one` on the training inputs. Records, on ``probe = (x, labels)``
+    (default: the training set), the routing entropy and the route-class mutual information (bits), the
+    mean gate sum and each route's mean gate ``r(j)`` (``mean_gate``) at initialisation and after every
+    epoch, and the probe accuracy after the last one.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    check_positive_int("batch_size", batch_size)
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1; got {epochs!r}")
+    if variant == "gates sum to 1":
+        init_gates_sum_to_one(net, x)
+    px, plab = probe if probe is not None else (x, labels)
+    targets = one_hot(labels, net.d_out, dtype=x.dtype)
+    gen = torch.Generator().manual_seed(seed)
+
+    def measure(hist):
+        with torch.no_grad():
+            r, _, y = variant_outputs(net, px, variant)
+        hist["entropy"].append(float(routing_entropy(r)))
+        hist["mutual_information"].append(float(route_class_mutual_information(r, plab, net.d_out)))
+        hist["gate_sum"].append(float(r.sum(dim=1).mean()))
+        hist["mean_gate"].append([float(v) for v in r.mean(dim=0)])
+        return y
+
+    hist: dict = {"entropy": [], "mutual_information": [], "gate_sum": [], "mean_gate": []}
+    measure(hist)
+    for _ in range(epochs):
+        perm = torch.randperm(x.shape[0], generator=gen).to(x.device)
+        for s in range(0, x.shape[0], batch_size):
+            idx = perm[s:s + batch_size]
+            net.zero_grad(set_to_none=True)
+            variant_energy(*variant_outputs(net, x[idx], variant), targets[idx], variant).backward()
+            with torch.no_grad():
+                for p in (net.R, net.P):
+                    p -= lr * p.grad
+        y = measure(hist)
+    hist["accuracy"] = float((y.argmax(dim=1) == plab).to(torch.float64).mean())
+    return hist
+
+
+def route_distribution(r: torch.Tensor) -> torch.Tensor:
+    """Routing weights normalised over routes, ``q(j) = r(j) / sum_k r(k)``, ``(N, M)``."""
+    check_tensor("r", r, dims=2, floating=True, shape_doc="(N, M)")
+    return r / r.sum(dim=1, keepdim=True).clamp_min(torch.finfo(r.dtype).tiny)
+
+
+def route_usage(r: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Mean routing weight of each route over the samples of each class, ``(C, M)``."""
+    check_tensor("r", r, dims=2, floating=True, shape_doc="(N, M)")
+    check_tensor("labels", labels, dims=1, shape_doc="(N,) integer labels")
+    if labels.shape[0] != r.shape[0]:
+        raise ValueError(f"labels must be ({r.shape[0]},); got {tuple(labels.shape)}")
+    counts = torch.bincount(labels, minlength=num_classes).to(r.dtype).clamp_min(1)
+    sums = torch.zeros(num_classes, r.shape[1], dtype=r.dtype, device=r.device).index_add_(0, labels, r)
+    return sums / counts.unsqueeze(1)
+
+
+def routing_entropy(r: torch.Tensor) -> torch.Tensor:
+    """Mean over samples of the entropy (bits) of ``q = r / sum r``; ``log2 M`` is an even mix, 0 one route."""
+    q = route_distribution(r)
+    return (q * torch.log2(1.0 / q.clamp_min(1e-30))).sum(dim=1).mean()
+
+
+def route_class_mutual_information(r: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Mutual information (bits) between route and class under the joint
+    ``p(j, c) = 1/N sum_n [label_n = c] q_n(j)`` with ``q = r / sum r``.
+
+    0 when every class uses the routes alike; at most ``min(log2 M, log2 C)``.
+    """
+    q = route_distribution(r)
+    check_tensor("labels", labels, dims=1, shape_doc="(N,) integer labels")
+    joint = torch.zeros(num_classes, r.shape[1], dtype=r.dtype, device=r.device).index_add_(0, labels, q)
+    joint = joint / joint.sum()
+    pc, pj = joint.sum(dim=1, keepdim=True), joint.sum(dim=0, keepdim=True)
+    ratio = joint / (pc * pj).clamp_min(1e-30)
+    return (joint * torch.log2(ratio.clamp_min(1e-30))).sum()
+
 
 # Chapter 3's sizes. The slides give no hyper-parameters, so `full` is this book's
 # choice on the full datasets the slides show results for (MNIST here; CIFAR-10
@@ -88,15 +291,15 @@ def specialist_rules(groups: int, dim: int, rules_seed: int = 0) -> torch.Tensor
 def mean_gate_accuracy(net: sr.SoftRoutingNet, x: torch.Tensor, labels: torch.Tensor, variant: str) -> float:
     """Accuracy of ``net`` with every input's gates replaced by their mean over ``x``: the same routes,
     mixed in the same average proportions, but no longer chosen per input (``variant`` as in
-    :func:`capslib.soft_routing.variant_outputs`)."""
+    :func:`variant_outputs`)."""
     with torch.no_grad():
-        r, Y, _ = sr.variant_outputs(net, x, variant)
+        r, Y, _ = variant_outputs(net, x, variant)
         y = torch.einsum("m,nmo->no", r.mean(dim=0), Y)
     return float((y.argmax(dim=1) == labels).to(torch.float64).mean())
 
 
 def world_run(variant: str, seed: int, world: tuple, test: tuple, cfg, routes: int | None = None):
-    """One network of the small world trained as ``variant`` (:func:`capslib.soft_routing.train_variant`,
+    """One network of the small world trained as ``variant`` (:func:`train_variant`,
     float32) from ``seed``. Returns ``(metrics, usage)``: the test accuracy, the accuracy with the gates fixed
     at their mean (:func:`mean_gate_accuracy`), the routing entropy and the mutual information between
     route and group (bits) at initialisation and after training; and the mean share ``q(j)`` of each route
@@ -110,19 +313,19 @@ def world_run(variant: str, seed: int, world: tuple, test: tuple, cfg, routes: i
 
     def gates():
         with torch.no_grad():
-            return sr.variant_outputs(net, xt, variant)[0]
+            return variant_outputs(net, xt, variant)[0]
 
     def group_information(r):
-        return float(sr.route_class_mutual_information(r, kt, groups)) if r.shape[1] > 1 else 0.0
+        return float(route_class_mutual_information(r, kt, groups)) if r.shape[1] > 1 else 0.0
 
     mi0 = group_information(gates())
-    hist = sr.train_variant(net, x, y, variant, epochs=cfg.world_epochs, batch_size=cfg.world_batch_size,
+    hist = train_variant(net, x, y, variant, epochs=cfg.world_epochs, batch_size=cfg.world_batch_size,
                             lr=cfg.world_lr, seed=seed, probe=(xt, yt))
     r = gates()
     metrics = {"accuracy": hist["accuracy"], "mean_gate_accuracy": mean_gate_accuracy(net, xt, yt, variant),
                "entropy0": hist["entropy"][0], "entropy": hist["entropy"][-1],
                "group_information0": mi0, "group_information": group_information(r)}
-    return metrics, sr.route_usage(sr.route_distribution(r), kt, groups).numpy()
+    return metrics, route_usage(route_distribution(r), kt, groups).numpy()
 
 
 # ============================================================================= paper scale as experiment units
@@ -138,7 +341,7 @@ def world_run(variant: str, seed: int, world: tuple, test: tuple, cfg, routes: i
 #   chapter's main network: with two routes or more a run also routes its trained votes by agreement
 #   (the bridge to capsules) and measures the gradient shares of hand-set routing weights.
 # - ``03/ablation/<variant>/s<k>``: the slides' network (M = 4, float32) and its four ablations
-#   (:data:`capslib.soft_routing.VARIANTS`) on all the training digits: routing entropy, mutual
+#   (:data:`VARIANTS`) on all the training digits: routing entropy, mutual
 #   information and gate sum on the validation digits at initialisation and after every epoch.
 #
 # Schedule: every unit trains for UNIT_SCHEDULE["epochs"] epochs, fewer than the `full` profile's FULL_EPOCHS,
@@ -159,7 +362,7 @@ UNIT_ROUTES = tuple(_FULL["compare_routes"])
 UNIT_MAIN_ROUTES = _FULL["routes"]
 UNIT_SEEDS = tuple(range(_FULL["compare_seeds"]))
 ABLATION_SEEDS = tuple(range(_FULL["ablation_seeds"]))
-VARIANT_NAMES = {v: v.replace(" ", "-") for v in sr.VARIANTS}     # "no r in eta" -> "no-r-in-eta"
+VARIANT_NAMES = {v: v.replace(" ", "-") for v in VARIANTS}     # "no r in eta" -> "no-r-in-eta"
 UNIT_FAMILY = "softrouting785"   # the 785-input soft-routing network: no rate measured on an H100 yet
 CLASSES = 10
 # Smoke runs (CPU tests, rehearsals): the same code on the embedded digits, few of them, two epochs
@@ -197,13 +400,13 @@ def unit_net(unit: Unit, d_in: int = 28 * 28 + 1, device=None, dtype: torch.dtyp
 def unit_energy(unit: Unit, model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor):
     """The energy the unit minimises on a minibatch, summed over it, and the outputs that score it."""
     v = unit.config["variant"]
-    r, Y, out = sr.variant_outputs(model, x, v)
-    return sr.variant_energy(r, Y, out, sr.one_hot(y, CLASSES, dtype=out.dtype), v), out
+    r, Y, out = variant_outputs(model, x, v)
+    return variant_energy(r, Y, out, sr.one_hot(y, CLASSES, dtype=out.dtype), v), out
 
 
 def unit_predict(unit: Unit):
     """The outputs that score a digit, ``predict(model, x)``, as the unit's variant computes them."""
-    return lambda model, x: sr.variant_outputs(model, x, unit.config["variant"])[2]
+    return lambda model, x: variant_outputs(model, x, unit.config["variant"])[2]
 
 
 def unit_fit(unit: Unit, net: sr.SoftRoutingNet, tr: data.Split, epochs: int, loss_fn=None, val: data.Split | None = None,
@@ -231,7 +434,7 @@ def unit_probe(unit: Unit) -> dict:
     x = sr.with_bias(torch.rand(4, 1, 28, 28, generator=g, dtype=torch.float64))
     y = torch.tensor([0, 3, 7, 9])
     if cfg["variant"] == "gates sum to 1":
-        sr.init_gates_sum_to_one(net, x)
+        init_gates_sum_to_one(net, x)
     loss, _ = unit_energy(unit, net, x, y)
     loss.backward()
     return {"energy": loss.item(), "x_sum": x.sum().item(), "grad:R": net.R.grad.norm().item(),
@@ -241,16 +444,16 @@ def unit_probe(unit: Unit) -> dict:
 @torch.no_grad()
 def _mixing(model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor, variant: str) -> dict:
     """Route use per class (C, M), routing entropy and route-class mutual information (bits), gate sum."""
-    r, _, _ = sr.variant_outputs(model, x, variant)
-    return {"usage": sr.route_usage(r, y, CLASSES), "entropy": float(sr.routing_entropy(r)),
-            "mi": float(sr.route_class_mutual_information(r, y, CLASSES)), "gate_sum": float(r.sum(dim=1).mean())}
+    r, _, _ = variant_outputs(model, x, variant)
+    return {"usage": route_usage(r, y, CLASSES), "entropy": float(routing_entropy(r)),
+            "mi": float(route_class_mutual_information(r, y, CLASSES)), "gate_sum": float(r.sum(dim=1).mean())}
 
 
 @torch.no_grad()
 def _initial_gate_error(model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor, variant: str) -> dict:
     """What the first steps start from (Eq. ch3-gr): the share of (digit, route) pairs with g(j) > 0, its
     mean, and the mean route output."""
-    r, Y, _ = sr.variant_outputs(model, x, variant)
+    r, Y, _ = variant_outputs(model, x, variant)
     g = sr.error_signals(r, Y, sr.one_hot(y, CLASSES, dtype=Y.dtype)).g_r
     return {"g_positive": float((g > 0).to(torch.float64).mean()), "g_mean": float(g.mean()),
             "route_output_mean": float(Y.mean())}
@@ -272,19 +475,19 @@ def _bridge(model: sr.SoftRoutingNet, x: torch.Tensor, y: torch.Tensor, patch: i
     u_hat = torch.stack([torch.einsum("moi,ni->nmo", P[:, :, idx], x[:, idx]) for idx in patches], dim=1)
     cs, _ = routing_trace(u_hat, iterations=iterations)
     agreement = cs[-1].mean(dim=1)                                          # (N, M)
-    learned = sr.route_distribution(model.routing(x))                       # (N, M)
+    learned = route_distribution(model.routing(x))                       # (N, M)
     a, q = agreement.double().cpu().numpy(), learned.double().cpu().numpy()
     metrics = {
         "pooled_correlation": float(np.corrcoef(a.ravel(), q.ravel())[0, 1]),
         "same_top": float((agreement.argmax(1) == learned.argmax(1)).double().mean()),
         "gate_top": float(learned.max(1).values.mean()), "agreement_top": float(agreement.max(1).values.mean()),
-        "gate_mi": float(sr.route_class_mutual_information(learned, y, CLASSES)),
-        "agreement_mi": float(sr.route_class_mutual_information(agreement, y, CLASSES)),
+        "gate_mi": float(route_class_mutual_information(learned, y, CLASSES)),
+        "agreement_mi": float(route_class_mutual_information(agreement, y, CLASSES)),
         "within_route_correlation": {str(j + 1): float(np.corrcoef(a[:, j], q[:, j])[0, 1]) for j in used},
         "patches": len(patches), "iterations": iterations,
     }
-    arrays = {"learned_share_by_class": encode_array(sr.route_usage(learned, y, CLASSES)),
-              "agreement_share_by_class": encode_array(sr.route_usage(agreement, y, CLASSES)),
+    arrays = {"learned_share_by_class": encode_array(route_usage(learned, y, CLASSES)),
+              "agreement_share_by_class": encode_array(route_usage(agreement, y, CLASSES)),
               "couplings_digit0": encode_array(torch.stack([c[0] for c in cs])),        # (iterations, patches, M)
               "label_digit0": encode_array(y[:1], "int64")}
     return metrics, arrays
@@ -328,7 +531,7 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
     torch.manual_seed(unit.seed)
     net = unit_net(unit, tr.x.shape[1], device=device, dtype=dtype)
     if variant == "gates sum to 1":
-        sr.init_gates_sum_to_one(net, tr.x)      # on the training inputs, as train_variant does
+        init_gates_sum_to_one(net, tr.x)      # on the training inputs, as train_variant does
     P0 = net.P.detach().clone()
     start = _mixing(net, val.x, val.y, variant)
     start_g = _initial_gate_error(net, val.x, val.y, variant)
@@ -366,11 +569,11 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
         "seconds_per_epoch_median": train.seconds_per_epoch(history),
     }
     with torch.no_grad():
-        r_test = sr.variant_outputs(net, te.x, variant)[0]
+        r_test = variant_outputs(net, te.x, variant)[0]
     mean_r = r_test.mean(dim=0)
     in_use = mean_r > cfg["in_use"]
-    metrics["test_mixing"] = {"routes_in_use": int(in_use.sum()), "entropy_bits": float(sr.routing_entropy(r_test)),
-                              "mutual_information_bits": float(sr.route_class_mutual_information(r_test, te.y, CLASSES)),
+    metrics["test_mixing"] = {"routes_in_use": int(in_use.sum()), "entropy_bits": float(routing_entropy(r_test)),
+                              "mutual_information_bits": float(route_class_mutual_information(r_test, te.y, CLASSES)),
                               "mean_r": [float(v) for v in mean_r]}
     arrays = {"usage_by_epoch": encode_array(torch.stack(usage))}      # (epochs + 1, C, M), validation digits
     start_top, final_top = int(usage[0].mean(0).argmax()), int(usage[-1].mean(0).argmax())
@@ -407,7 +610,7 @@ def _register_units() -> None:
                           f"soft routing with M = {M} route{'s' * (M > 1)}: test accuracy, route use, entropy, "
                           f"mutual information" + ("; agreement bridge, gradient shares" if M >= 2 else "")))
     for s in ABLATION_SEEDS:
-        for i, v in enumerate(sr.VARIANTS):
+        for i, v in enumerate(VARIANTS):
             register(Unit("03", f"ablation/{VARIANT_NAMES[v]}", s, unit_run,
                           _unit_config(UNIT_MAIN_ROUTES, v, "float32"), unit_probe, UNIT_FAMILY, images,
                           14 + 10 * s + i, f"ablation '{v}' (M = {UNIT_MAIN_ROUTES}, float32): entropy and "
@@ -447,7 +650,7 @@ def routes_groups(smoke: bool = False):
 def ablation_groups(smoke: bool = False):
     """The ablations' results, one group per variant (the slides' network first)."""
     from .units import group
-    return [group(f"03/ablation/{VARIANT_NAMES[v]}", f"the ablation '{v}'", smoke) for v in sr.VARIANTS]
+    return [group(f"03/ablation/{VARIANT_NAMES[v]}", f"the ablation '{v}'", smoke) for v in VARIANTS]
 
 
 
@@ -481,7 +684,7 @@ def ablation_frame(groups):
     import pandas as pd
 
     rows = []
-    for v, g in zip(sr.VARIANTS, groups):
+    for v, g in zip(VARIANTS, groups):
         m = lambda k: [r["metrics"][k] for r in g.results]   # noqa: E731
         cells = [seed_spread(m("entropy_drop_epoch1_bits"), ".2f"), seed_spread(m("final_val_entropy_bits"), ".2f"),
                  seed_spread(m("final_val_mutual_information_bits"), ".3f"), seed_spread(m("test_accuracy"), ".4f")]
@@ -605,7 +808,7 @@ def draw_ablation(groups):
 
     fig, axes = plt.subplots(1, 2, figsize=(COLUMN_IN, 3.8), layout="constrained")
     drawn = 0
-    for k, (v, g) in enumerate(zip(sr.VARIANTS, groups)):
+    for k, (v, g) in enumerate(zip(VARIANTS, groups)):
         if not g.results:
             continue
         curves = [_curves(r) for r in g.results]

@@ -18,7 +18,7 @@ import torch
 from . import profiles
 from .units import built_in_float64, cuda_speed_settings, seed_spread, step_summary
 from ..checks import check_positive_int, check_tensor
-from ..coupling_gradient import polarization, relative_low
+from ..coupling_gradient import polarization, scaled_routing
 
 CHAPTER = "04_coupling_gradient_proof"
 
@@ -116,7 +116,7 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
     with detached routing, on the same batch and the same weights (chapter 4).
 
     Wall time: ``pairs`` interleaved pairs of steps, the order inside a pair alternating, after
-    ``warmup`` pairs that are not kept (:func:`capslib.timing.interleaved_seconds`). A neighbour that slows the machine for a while slows both
+    ``warmup`` pairs that are not kept (:func:`capslib.book.timing.interleaved_seconds`). A neighbour that slows the machine for a while slows both
     members of a pair alike, so the per-pair ratio full / detached keeps the method's difference
     where the epoch times of separate runs mix it with the machine's load. Work: the floating-point
     operations of each step counted by ``torch.utils.flop_counter`` (matrix products and
@@ -133,7 +133,7 @@ def step_cost(model, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None 
         raise TypeError("model must have a DenseCaps `digit` with a `detach` flag (a CapsNet)")
     if not (isinstance(pairs, int) and pairs >= 2) or not (isinstance(warmup, int) and warmup >= 0):
         raise ValueError(f"pairs must be an int >= 2 and warmup an int >= 0; got {pairs!r}, {warmup!r}")
-    from ..timing import interleaved_seconds
+    from .timing import interleaved_seconds
 
     loss_fn = loss_fn or _default_loss(recon_weight)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -170,7 +170,7 @@ class CouplingProbe:
     Pass ``before_step=probe.before_step`` and ``on_epoch_end=probe.on_epoch_end``.
     Every ``every`` steps (and at step 0) it records ``step``, ``rel_diff``, ``cosine``,
     ``entropy``, ``frac_high`` (``c > 0.9``), ``frac_low`` (``c <``
-    :func:`~capslib.coupling_gradient.relative_low`, a tenth of the uniform ``1/J``); the
+    :func:`relative_low`, a tenth of the uniform ``1/J``); the
     measurement at each epoch end also closes the trace, so its last point is the network after
     the last step. At each epoch end it appends one entry to
     ``by_epoch`` (the first entry, epoch 0, is the untrained network; call :meth:`start`
@@ -614,7 +614,7 @@ def second_term_by_row(u_hat: torch.Tensor, y: torch.Tensor, iterations: int, sc
     "second": mean norm of the row's second term (over its J votes), "by_iteration": share of the
     second term's summed norm that flows through each iteration 1..K-1}}}``; a state without rows
     at a scale is left out there."""
-    from ..coupling_gradient import gradient_by_iteration, margin_upstream, scaled_routing
+    from ..coupling_gradient import gradient_by_iteration
 
     check_tensor("u_hat", u_hat, dims=4, floating=True, shape_doc="(B, I, J, D)")
     check_positive_int("iterations", iterations, minimum=2)
@@ -641,7 +641,6 @@ def routing_effect(net, split, batch: int = 1000) -> tuple[dict, dict]:
     """What routing does to the forward pass of a trained CapsNet on ``split``: the accuracy with
     three iterations and with uniform couplings (K = 1) on the same votes, ||v^(3) - v^(1)|| / ||v^(1)||
     per digit, and the last couplings' row entropy (nats) and polarisation."""
-    from ..coupling_gradient import polarization, relative_low
     from ..routing import dynamic_routing
 
     net.eval()
@@ -996,3 +995,43 @@ def part_whole_second_term(net: PartWholeCaps, u, y) -> float:
     """The second term's share of the votes' gradient (GT1) for ``net``'s votes on ``(u, y)``, three
     iterations, float64 (:func:`second_term_share`)."""
     return second_term_share(net.votes(u), y, 3)
+
+
+# ----------------------------------------------------------------------------- the polarization study's threshold and upstream gradient
+
+def relative_low(J: int, factor: float = 0.1) -> float:
+    """The "decided against" threshold ``factor / J``: a tenth of the uniform coupling ``1/J``
+    by default (chapter 4). A fixed 0.1 would be the uniform value itself when ``J = 10``."""
+    check_positive_int("J", J)
+    if not 0 < factor < 1:
+        raise ValueError(f"factor must lie in (0, 1); got {factor}")
+    return factor / J
+
+
+def margin_upstream(u_hat: torch.Tensor, y: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0,
+                    vote_scale: float = 1.0):
+    """Votes ``alpha * u_hat`` and the margin loss's ``dL/dv`` *for that routing* (chapter 4).
+
+    The polarization knobs change the routing output ``v``, hence the loss and its gradient
+    ``dL/dv``: a study over ``lambda`` (``logit_scale``) or ``alpha`` (``vote_scale``) must
+    recompute it at every setting rather than reuse the one of ``lambda = alpha = 1``.
+
+    Returns:
+        ``(votes (B, I, J, D), grad_v (B, J, D))``, both detached.
+    """
+    from ..ops import margin_loss
+
+    check_tensor("u_hat", u_hat, dims=4, floating=True, shape_doc="(B, I, J, D)")
+    check_positive_int("iterations", iterations)
+    for name, value in (("logit_scale", logit_scale), ("vote_scale", vote_scale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0; got {value!r}")
+    if y.dim() != 1 or y.shape[0] != u_hat.shape[0]:
+        raise ValueError(f"y must be (B,) = ({u_hat.shape[0]},) labels; got {tuple(y.shape)}")
+    votes = float(vote_scale) * u_hat.detach()
+    with torch.no_grad():
+        v, _ = scaled_routing(votes, iterations, logit_scale)
+    v = v.requires_grad_(True)
+    with torch.enable_grad():
+        (gv,) = torch.autograd.grad(margin_loss(v.norm(dim=-1), y), v)
+    return votes, gv.detach()

@@ -8,8 +8,10 @@ import os
 
 import numpy as np
 import torch
+from torch import nn
 
 from .. import data, em, em_layers, train
+from ..checks import check_positive_int, check_tensor
 from ..em import FINAL_LAMBDA, NORMALIZE
 from ..em_layers import W_INIT_STD
 from . import profiles
@@ -616,3 +618,49 @@ def draw_curves(results: list):
     ax.legend(fontsize=9, frameon=False)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- viewpoint baseline
+
+class SmallConvNet(nn.Module):
+    """The CNN baseline of chapter 5's viewpoint test, sized by one ``width``: Conv 5x5 stride 2
+    (``width`` channels, ReLU) -> Conv 3x3 stride 2 (``2 width``, ReLU) -> one linear layer to the
+    classes. With the EM network's own first layer and stride, its size is set by
+    :func:`matched_width` to the EM network's parameter count (the paper compared capsules with a
+    CNN baseline; here the two are matched in size so that capacity is not the difference).
+
+    ``forward(x (B, C_in, H, W))`` -> class scores ``(B, classes)``; any side of at least 11 pixels works
+    (global average pooling before the linear layer)."""
+
+    def __init__(self, width: int, in_channels: int = 1, classes: int = 10):
+        super().__init__()
+        for name, v in [("width", width), ("in_channels", in_channels), ("classes", classes)]:
+            check_positive_int(name, v)
+        self.in_channels = in_channels
+        self.features = nn.Sequential(nn.Conv2d(in_channels, width, 5, 2), nn.ReLU(),
+                                      nn.Conv2d(width, 2 * width, 3, 2), nn.ReLU(),
+                                      nn.Conv2d(2 * width, 4 * width, 3, 1), nn.ReLU())
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x, dims=4, floating=True, shape_doc="(B, C, H, W)")
+        if x.shape[1] != self.in_channels:
+            raise ValueError(f"x must be (B, {self.in_channels}, H, W); got {tuple(x.shape)}")
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def matched_width(target_params: int, in_channels: int = 1, classes: int = 10) -> int:
+    """The ``width`` of :class:`SmallConvNet` whose parameter count is nearest ``target_params``
+    (counted on built networks; the count grows with the width, so the search stops past the target)."""
+    check_positive_int("target_params", target_params)
+
+    def count(w):
+        return sum(p.numel() for p in SmallConvNet(w, in_channels, classes).parameters())
+
+    w, below = 1, count(1)
+    while below < target_params:
+        above = count(w + 1)
+        if above >= target_params:
+            return w if target_params - below <= above - target_params else w + 1
+        w, below = w + 1, above
+    return w

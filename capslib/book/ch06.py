@@ -17,7 +17,7 @@ from torch import nn
 
 from . import profiles
 from .units import built_in_float64, cuda_speed_settings, seed_spread, step_summary
-from ..pruning import (LobsterPruner, MagnitudeSchedulePruner, MatchedPruner, prunable, set_mask, snip_masks,
+from ..pruning import (LobsterPruner, _orig, apply_global_magnitude, attach_masks, prunable, set_mask,
                        sparsity)
 from ..rem import FCOutput, last_couplings, level_sweep, margin_loss_fn, predict_lengths, tree_threshold
 
@@ -427,7 +427,6 @@ def unit_run(unit, device: torch.device, smoke: bool) -> dict:
     import time
 
     from .. import data, train
-    from ..pruning import LobsterPruner, MatchedPruner, prunable, set_mask, snip_masks, sparsity
 
     cfg = unit.config
     cuda_speed_settings(device)
@@ -752,3 +751,66 @@ def world_compare(seed: int, S, splits: dict) -> dict:
     branch(WORLD_METHODS[3], lambda w: MatchedPruner(w, path, lam=S.world_lambda, decay=S.lobster_decay,
                                                      sensitivity="none"))
     return out
+
+
+# ----------------------------------------------------------------------------- the controls: pruning at matched sparsity, on a schedule, SNIP
+
+class MatchedPruner(LobsterPruner):
+    """Chapter 6's ablation at matched sparsity: an optional shrinkage step (:func:`lobster_step`
+    with ``sensitivity``; ``lam = 0`` for none), and after each epoch global magnitude pruning to
+    the next sparsity in ``targets`` (e.g. the sparsities REM reached after each of its epochs),
+    whatever the loss says."""
+
+    def __init__(self, params, targets: Sequence[float], lam: float = 0.0, decay: float = 0.99,
+                 sensitivity: str | None = "none"):
+        super().__init__(params, None, lam=lam, decay=decay, sensitivity=sensitivity)
+        self.targets = list(targets)
+
+    def before_step(self, model, optimizer) -> None:
+        if self.lam > 0:
+            super().before_step(model, optimizer)
+
+    def on_epoch_end(self, epoch, model, history) -> None:
+        self._record_gates(history)
+        done = len(history.get("sparsity", []))
+        apply_global_magnitude(self.params, self.targets[min(done, len(self.targets) - 1)])
+        history.setdefault("sparsity", []).append(sparsity(self.params))
+        self.lam = self.lam0 * self.decay ** (epoch + 1)
+
+
+class MagnitudeSchedulePruner:
+    """Plain iterative magnitude pruning (chapter 6): after epoch ``e`` of ``epochs``, prune
+    globally by magnitude to ``final * (e + 1) / epochs`` sparsity, whatever the loss says."""
+
+    def __init__(self, params, final: float, epochs: int, start_epoch: int = 0):
+        if not 0.0 <= final < 1.0:
+            raise ValueError(f"final must be in [0, 1); got {final}")
+        self.params, self.final, self.epochs, self.start = params, final, epochs, start_epoch
+        attach_masks(params)
+
+    def target(self, epoch: int) -> float:
+        done = min(epoch + 1 - self.start, self.epochs)
+        return self.final * max(done, 0) / self.epochs
+
+    def on_epoch_end(self, epoch, model, history) -> None:
+        apply_global_magnitude(self.params, self.target(epoch))
+        history.setdefault("sparsity", []).append(sparsity(self.params))
+
+
+def snip_masks(model: nn.Module, params, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
+               fraction: float) -> list[torch.Tensor]:
+    """SNIP (Lee et al. 2019; chapter 6): connection sensitivity ``|dL/dw * w|`` on one
+    batch at initialization; keep the ``1 - fraction`` most sensitive weights, globally."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"fraction must be in [0, 1); got {fraction}")
+    model.zero_grad(set_to_none=True)
+    loss, _ = loss_fn(model, x, y)
+    tensors = [_orig(m, n) for m, n in params]
+    grads = torch.autograd.grad(loss, tensors)
+    scores = [(g * w).abs().detach() for g, w in zip(grads, tensors)]
+    flat = torch.cat([s.flatten() for s in scores])
+    k = int(round(fraction * flat.numel()))
+    if k == 0:
+        return [torch.ones_like(s) for s in scores]
+    threshold = torch.kthvalue(flat.float().cpu(), k).values.item()
+    return [(s > threshold).to(s.dtype) for s in scores]

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..switches import (PROFILES, SMOKE_EPOCHS, SMOKE_SPLITS, compile_requested, current,  # noqa: F401
+from ..engine.switches import (PROFILES, SMOKE_EPOCHS, SMOKE_SPLITS, compile_requested, current,  # noqa: F401
                         paper_schedule, progress_bars, smoke, storage_name)
 
 # Per-chapter sizes. Each chapter owns its block; keys are the experiment's knobs.

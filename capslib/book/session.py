@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import switches
+from ..engine import switches
 from . import profiles
 
 _STATE: dict = {}

@@ -312,7 +312,7 @@ MAX_RESULT_BYTES = 1_500_000
 def execute(unit: Unit, device: torch.device | str | None = None, smoke: bool = False) -> Path:
     """Run ``unit`` on ``device`` (default: CUDA when present) and write its result atomically (under
     ``torchrun``, data-parallel over the ranks, rank 0 writing; see :func:`capslib.train.distributed_ranks`)."""
-    from ..switches import smoke as smoke_env
+    from ..engine.switches import smoke as smoke_env
     if smoke_env() and not smoke:
         raise RuntimeError(f"unit {unit.key}: CAPSBOOK_SMOKE is set, which shrinks the data; a paper-scale result "
                            f"is not made under it (unset it, or ask for a smoke run)")

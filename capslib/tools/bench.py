@@ -11,11 +11,11 @@ mode, the projected minutes of the chapter's ``full`` training schedule (:func:`
 (``make test`` runs it); its images/s say nothing about a GPU.
 
 ``python -m capslib.tools.bench fast-check [--json PATH]`` checks and times the fast training step
-(:mod:`capslib.steps`, ``capslib.train.fit(..., fast=True)``) on chapter 2's paper-size CapsNet: the
+(:mod:`capslib.engine.steps`, ``capslib.train.fit(..., fast=True)``) on chapter 2's paper-size CapsNet: the
 per-step losses of the first steps through the CUDA graph against the same steps run eagerly (same
 batches and weights), then images/s of ``fit`` with ``fast`` off and on from the same seed. It exits
 non-zero when the graph was not used or disagrees. Without a GPU it runs tiny sizes with a stand-in
-for the graph calls (:class:`capslib.steps.EagerGraphs`) and says so: a rehearsal of the code path.
+for the graph calls (:class:`capslib.engine.steps.EagerGraphs`) and says so: a rehearsal of the code path.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..book import profiles
-from ..timing import interleaved_seconds
+from ..book.timing import interleaved_seconds
 
 FULL_TRAIN = 55_000   # full MNIST training images (5,000 of the 60k are held out for validation)
 

@@ -4,7 +4,7 @@ On CUDA, with chapter 2's paper-size CapsNet (its ``full`` sizes, batch 128, mar
 loss, random images; the content of the images does not change the time of a step):
 
 1. **Agreement.** The first ``COMPARE`` steps on the same batches from the same weights, three ways:
-   through the CUDA graph (:class:`capslib.steps.GraphedSteps`: warm-up steps, capture, replays), run
+   through the CUDA graph (:class:`capslib.engine.steps.GraphedSteps`: warm-up steps, capture, replays), run
    eagerly with the same optimizer (fused, capturable Adam; the graph's only difference), and eagerly
    with the plain Adam that ``fit`` makes when ``fast`` is off. TF32 off and cuDNN deterministic, so
    that the graph's numbers can be compared sharply. Reported: the largest relative difference of the
@@ -20,7 +20,7 @@ loss, random images; the content of the images does not change the time of a ste
 
 The check fails (exit 1) when the graph was not used (the reason is printed), when the graph's losses
 disagree, or when a loss is not finite. Without CUDA it runs tiny sizes with
-:class:`capslib.steps.EagerGraphs` standing in for the graph calls: a rehearsal of the code path whose
+:class:`capslib.engine.steps.EagerGraphs` standing in for the graph calls: a rehearsal of the code path whose
 numbers say nothing about a GPU.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from .. import steps, train
+from .. import train
+from ..engine import steps
 from ..data import Split
 from ..models import CapsNet, capsnet_loss
 
@@ -67,7 +68,7 @@ def _batches(n: int, batch: int, device, seed: int = 7):
 
 
 def _losses(model, optimizer, batches, runner_kind: str, backend=None) -> tuple[list[float], str, str | None]:
-    """Per-step losses of ``batches`` through one runner of :mod:`capslib.steps` (one host read at the end)."""
+    """Per-step losses of ``batches`` through one runner of :mod:`capslib.engine.steps` (one host read at the end)."""
     sums = steps.StepSums(batches[0][0].device)
 
     def step(x, y):

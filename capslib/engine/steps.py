@@ -81,7 +81,7 @@ def train_step(model, loss_fn: Callable, optimizer: torch.optim.Optimizer, x: to
     """One training step on the batch ``(x, y)``; returns the batch's loss (detached).
 
     ``loss_fn(model, x, y) -> (loss, scores)``; ``amp_context()`` opens the forward pass's autocast
-    context. Data-parallel (:mod:`capslib.distributed`): ``share`` weighs this rank's batch mean by its
+    context. Data-parallel (:mod:`capslib.engine.distributed`): ``share`` weighs this rank's batch mean by its
     part of the global batch (0: the rank runs a stand-in image that counts nowhere) and
     ``reduce_gradients()`` sums the gradients over ranks. ``before_step(plain_model, optimizer)``
     runs between backward and the optimizer's step.

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .datasets import Split
+from ..datasets import Split
 
 
 def save_checkpoint(path: str | Path, state: dict) -> None:
@@ -39,8 +39,8 @@ def load_checkpoint(path: str | Path, map_location=None) -> dict:
 # ----------------------------------------------------------------------------- run fingerprints
 
 # capslib modules whose code decides what any training computes
-_CORE_MODULES = ("capslib.ops", "capslib.routing", "capslib.layers", "capslib.train", "capslib.steps",
-                 "capslib.distributed")
+_CORE_MODULES = ("capslib.ops", "capslib.routing", "capslib.layers", "capslib.train", "capslib.engine.steps",
+                 "capslib.engine.distributed")
 
 
 def _sha(*chunks: bytes) -> str:
@@ -148,7 +148,7 @@ def run_fingerprint(model: nn.Module, train: Split, optimizer: torch.optim.Optim
     permutation seed, autocast, the training data, the loss and hooks (with the numbers they
     carry), ``config`` (anything else the caller names), the capslib code that computes the
     training and the torch version. ``static_batches``: the fast path's batching (every step
-    ``batch_size`` images, the last partial batch dropped, :mod:`capslib.steps`), named only when on.
+    ``batch_size`` images, the last partial batch dropped, :mod:`capslib.engine.steps`), named only when on.
     A learning rate held in a one-element tensor (the captured step's) counts as its number."""
     groups = [{k: _plain_value(_number(v)) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     opt = {"type": type(optimizer).__qualname__, **(groups[0] if len(groups) == 1 else

@@ -219,3 +219,29 @@ def test_a_grid_with_an_unused_cell_and_one_colour_bar_for_all_is_re_laid():
                            "class", "mean r(j)", per_row=3)
     png, info = reflow._narrow(fig, PHONE)                # raises where the layout engine cannot place it
     assert _css_width(png) <= PHONE + 1 and info["smallest_px"] >= viz.MIN_TEXT_PX
+
+
+def test_a_colour_bar_made_for_some_panels_goes_under_them_and_clear_of_every_title():
+    """A colour bar that the layout engine placed beside the panels it was made for would stay at the side of
+    the re-laid column, over the titles of the panels below: it is drawn again, horizontal, under its own
+    panels (and under no others)."""
+    rng = np.random.default_rng(2)
+    fig, axes = plt.subplots(2, 2, figsize=(7.2, 5.0), layout="constrained")
+    for k, ax in enumerate(axes.flat):
+        im = ax.imshow(rng.random((6, 6)), vmin=0, vmax=1)
+        ax.set_title(f"a long title over panel {k + 1}, a' = 0.53")
+    fig.colorbar(im, ax=axes[0, :], label="the top row's scale")
+    copy = pickle.loads(pickle.dumps(fig))
+    assert reflow._relayout(copy, PHONE)
+    copy.canvas.draw()
+    bars = [ax for ax in copy.axes if reflow._is_colorbar(ax)]
+    panels = [ax for ax in copy.axes if not reflow._is_colorbar(ax)]
+    assert len(bars) == 1 and bars[0]._colorbar.orientation == "horizontal"
+    assert bars[0].get_xlabel() == "the top row's scale"
+    renderer = copy.canvas.get_renderer()
+    bar = bars[0].get_window_extent(renderer)
+    top_row = [p.get_window_extent(renderer) for p in panels[:2]]
+    assert bar.y1 <= min(b.y0 for b in top_row) + 1              # under the panels it belongs to
+    for p in panels:                                             # and over no title
+        assert not bar.overlaps(p.title.get_window_extent(renderer)), p.get_title()
+    assert bar.y0 > panels[2].get_window_extent(renderer).y1     # above the panels it was not made for

@@ -120,6 +120,52 @@ def test_paper_scale_views_from_smoke_results(smoke_root, monkeypatch):
         ch03.draw_routes([U.Group("x", "x", [], ["k"], []) for _ in ch03.UNIT_ROUTES])
 
 
+def _route_result(seed, acc, in_use=1, H=0.01, MI=0.001, top=(2, 2)):
+    return {"seed": seed, "metrics": {"test_accuracy": acc, "test_mixing": {"routes_in_use": in_use, "entropy_bits": H,
+                                                                           "mutual_information_bits": MI},
+                                      "top_route": {"initial": top[0], "final": top[1]}}}
+
+
+def _group(results):
+    return U.Group("x", "x", results, [], [])
+
+
+def test_paper_scale_summary_counts_seeds_and_pairs_the_route_counts():
+    assert "no paper-scale run" in ch03.paper_scale_summary([_group([]) for _ in ch03.UNIT_ROUTES])
+    main = [_route_result(0, 0.92), _route_result(1, 0.90, in_use=2, H=0.9, top=(1, 3)), _route_result(2, 0.91)]
+    groups = [_group([_route_result(s, 0.90) for s in (0, 1, 2)]), _group([]), _group(main),
+              _group([_route_result(0, 0.93), _route_result(1, 0.89)])]     # M = 8: seeds 0 and 1 only
+    text = ch03.paper_scale_summary(groups)
+    assert "91.00% test accuracy (mean of 3 seeds)" in text
+    assert "in 2 of 3 seeds a single route carries" in text and "routing entropy at most 0.900 of 2 bits" in text
+    assert "in 2 of 3 seeds that route is the one whose mean gate was largest" in text
+    # M = 8 minus M = 1 on the seeds both have: +0.03 and -0.01, mean +1.00 points
+    assert "by +1.00 percentage points (paired by seed, higher in 1 and lower in 1 of 2 seeds)" in text
+    assert ch03.paper_scale_short(groups).endswith("through a single route in 2 of 3 seeds")
+    groups[2] = _group([_route_result(0, 0.92), _route_result(1, 0.91)])
+    assert ch03.paper_scale_short(groups).endswith("through a single route in every one of its seeds")
+
+
+def test_ablation_summary_reads_each_variant_against_the_slides_with_the_declared_margin():
+    def res(seed, H, MI=0.0):
+        return {"seed": seed, "metrics": {"final_val_entropy_bits": H, "final_val_mutual_information_bits": MI}}
+
+    assert "no paper-scale run" in ch03.ablation_summary([_group([]) for _ in ch03.VARIANTS])
+    slides = _group([res(s, 0.01) for s in range(4)])
+    higher = _group([res(s, 0.8 + 0.01 * s) for s in range(4)])                # far above the ±0.1-bit margin
+    same = _group([res(s, 0.01 + 0.001 * (-1) ** s) for s in range(4)])          # well inside it
+    competitive = _group([res(s, 0.5, MI=0.02 * s) for s in range(4)])
+    one_seed = _group([res(0, 0.3)])
+    by_variant = {"slides": slides, "no r in eta": higher, "softmax gate": same, "competitive error": competitive,
+                  "gates sum to 1": one_seed}
+    text = ch03.ablation_summary([by_variant[v] for v in ch03.VARIANTS])
+    assert "keeps 0.010 bits of routing entropy on the validation digits (mean of 4 seeds)" in text
+    assert "no r(j) in η ends at 0.82 bits, higher, beyond the margin (higher in 4 of 4 seeds)" in text
+    assert "softmax gate ends at 0.01 bits, equivalent within ±0.1" in text
+    assert "gates sum to 1: 1 paired seed(s), too few to compare" in text
+    assert text.endswith("the competitive error's routes carry at most 0.060 bits about the class")
+
+
 # ----------------------------------------------------------------------------- the small world
 
 def test_specialist_world_gives_each_group_its_own_rule_and_shares_the_rules_between_draws():

@@ -697,6 +697,91 @@ def ablation_frame(groups):
                                        "final I(route; class) (bits)", "test accuracy", "seeds"]).set_index("variant")
 
 
+def _seeds_words(n: int) -> str:
+    return "one seed" if n == 1 else f"mean of {n} seeds"
+
+
+def paper_scale_summary(groups) -> str:
+    """What the main network (``M = UNIT_MAIN_ROUTES``) does at paper scale, and what more routes buy, in
+    one sentence from the ``03/routes`` results: test accuracy, in how many seeds one route carries the
+    test digits, the largest routing entropy and mutual information over the seeds, in how many seeds the
+    surviving route is the one whose mean gate was largest at initialisation, and the accuracy of the most
+    routes minus one route's, paired by seed."""
+    from .stats import summarise
+
+    main = sorted(groups[UNIT_ROUTES.index(UNIT_MAIN_ROUTES)].results, key=lambda r: r["seed"])
+    if not main:
+        return "no paper-scale run of the main network has been made yet, so this section says nothing about it"
+    n = len(main)
+    m = [r["metrics"] for r in main]
+    acc = summarise([x["test_accuracy"] for x in m])
+    one = sum(x["test_mixing"]["routes_in_use"] == 1 for x in m)
+    same_top = sum(x["top_route"]["initial"] == x["top_route"]["final"] for x in m)
+    H = max(x["test_mixing"]["entropy_bits"] for x in m)
+    MI = max(x["test_mixing"]["mutual_information_bits"] for x in m)
+    carried = ("a single route carries the test digits" if n == 1 and one == 1 else
+               "in every seed a single route carries the test digits" if one == n else
+               f"in {one} of {n} seeds a single route carries the test digits")
+    text = (f"on all {UNIT_SCHEDULE['train_images']:,} training digits for {UNIT_SCHEDULE['epochs']} epochs the "
+            f"network with M = {UNIT_MAIN_ROUTES} routes reaches {acc.mean:.2%} test accuracy "
+            f"({_seeds_words(n)}), and {carried} (routing entropy at most {H:.3f} of "
+            f"{math.log2(UNIT_MAIN_ROUTES):.0f} bits, I(route; class) at most {MI:.4f} bits); "
+            f"in {same_top} of {n} seeds that route is the one whose mean gate was largest at initialisation")
+    base = _by_seed(groups[0], lambda r: r["metrics"]["test_accuracy"])
+    most = _by_seed(groups[-1], lambda r: r["metrics"]["test_accuracy"])
+    both = sorted(set(base) & set(most))
+    if both:
+        d = [most[s] - base[s] for s in both]
+        text += (f". With M = {UNIT_ROUTES[-1]} routes the test accuracy differs from one route's by "
+                 f"{100 * np.mean(d):+.2f} percentage points (paired by seed, higher in "
+                 f"{sum(v > 0 for v in d)} and lower in {sum(v < 0 for v in d)} of {len(d)} seeds)")
+    return text
+
+
+def paper_scale_short(groups) -> str:
+    """The main network's collapse at paper scale in a few words (the chapter's summary)."""
+    main = groups[UNIT_ROUTES.index(UNIT_MAIN_ROUTES)].results
+    if not main:
+        return "no paper-scale run of the main network has been made yet"
+    n = len(main)
+    one = sum(r["metrics"]["test_mixing"]["routes_in_use"] == 1 for r in main)
+    where = "in every one of its seeds" if one == n and n > 1 else f"in {one} of {n} seed{'s' * (n > 1)}"
+    return (f"trained on all the training digits, the network with M = {UNIT_MAIN_ROUTES} routes sends the test "
+            f"digits through a single route {where}")
+
+
+def ablation_summary(groups) -> str:
+    """The ablations at paper scale in one sentence: each variant's final routing entropy on the validation
+    digits minus the slides' network's, paired by seed and read against the margin declared in the `full`
+    profile before the runs (:class:`capslib.book.stats.Equivalence`), with the competitive error's mutual
+    information."""
+    from .stats import Equivalence, summarise
+
+    get = lambda g: _by_seed(g, lambda r: r["metrics"]["final_val_entropy_bits"])   # noqa: E731
+    slides = get(groups[0])
+    if not slides:
+        return "no paper-scale run of the ablations has been made yet"
+    margin = _FULL["ablation_margin"]
+    said = []
+    for v, g in zip(VARIANTS[1:], groups[1:]):
+        other = get(g)
+        both = sorted(set(slides) & set(other))
+        if len(both) < 2:
+            said.append(f"{READER_NAMES[v]}: {len(both)} paired seed(s), too few to compare")
+            continue
+        eq = Equivalence(summarise([other[s] - slides[s] for s in both], both), margin)
+        said.append(f"{READER_NAMES[v]} ends at {np.mean([other[s] for s in both]):.2f} bits, "
+                    f"{eq.phrase('.1f')}")
+    comp = _by_seed(groups[VARIANTS.index("competitive error")],
+                    lambda r: r["metrics"]["final_val_mutual_information_bits"])
+    tail = (f"; the competitive error's routes carry at most {max(comp.values()):.3f} bits about the class"
+            if comp else "")
+    return (f"after {UNIT_SCHEDULE['epochs']} epochs the slides' network keeps "
+            f"{np.mean(list(slides.values())):.3f} bits of routing entropy on the validation digits "
+            f"({_seeds_words(len(slides))}); against it, with the margin of ±{margin:.1f} bits declared before "
+            f"the runs: " + "; ".join(said) + tail)
+
+
 def _curves(result: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Epochs (0 = initialisation), routing entropy and mutual information on the validation digits."""
     m, h = result["metrics"], result["history"]

@@ -205,8 +205,28 @@ def _relayout(fig, column_px: float) -> bool:
         fig.set_layout_engine("constrained")
     except RuntimeError:      # a colour bar made beside a panel under tight_layout: that engine again
         fig.set_layout_engine("tight")
+    else:
+        extra += _grid_colorbars_below(fig)
     fig.set_size_inches(width, sum(heights) + extra)
     return True
+
+
+def _grid_colorbars_below(fig) -> float:
+    """Colour bars that the layout engine placed beside their panels (``fig.colorbar(..., ax=axes)``) keep
+    to the side of the re-laid panels, where the panels' titles run under them: each is drawn again,
+    horizontal, under the panels it was made for. Returns the height (inches) they add."""
+    added = 0.0
+    for ax in list(fig.axes):
+        info = getattr(ax, "_colorbar_info", None)
+        if not _is_colorbar(ax) or info is None or not hasattr(ax, "_colorbar"):
+            continue
+        cb = ax._colorbar
+        label = ax.get_ylabel() if cb.orientation == "vertical" else ax.get_xlabel()
+        fig.delaxes(ax)
+        fig.colorbar(cb.mappable, ax=list(info["parents"]), orientation="horizontal", location="bottom",
+                     label=label, aspect=30, shrink=0.9)
+        added += 0.7
+    return added
 
 
 def _wrapped(labels: list[str], fig, fontsize: float, ncols: int = 1) -> list[str]:

@@ -55,3 +55,19 @@ def test_setup_lets_pandas_show_whole_tables():
         frame = pd.DataFrame({"note": ["x" * 80] * 70})
         text = frame.to_string()
         assert "…" not in text and "..." not in text and len(text.splitlines()) == 71
+
+
+def test_scale_note_says_which_processor_made_the_runs(monkeypatch):
+    """The note names the kind of processor the chapter's paper-scale runs were made on: a small network's
+    runs need no GPU (chapter 3's were made on a CPU)."""
+    monkeypatch.delenv("CAPSBOOK_PAPER_SCALE_ONLY", raising=False)
+    declared = U.all_units("03")[:3]
+    monkeypatch.setattr(U, "all_units", lambda chapter: declared)
+    made = {declared[0].key: "cpu (some processor, 2 threads)", declared[1].key: "cuda (NVIDIA H100)"}
+    monkeypatch.setattr(U, "state", lambda u: ("done", {"device": made[u.key]}) if u.key in made else ("missing", None))
+    assert "2 of the 3 have been made on GPUs and CPUs" in page.scale_note("03", profile="ci")
+    made.pop(declared[1].key)
+    assert "1 of the 3 has been made on a CPU, and" in page.scale_note("03", profile="ci")
+    made[declared[1].key] = made[declared[2].key] = "cuda (NVIDIA H200)"
+    del made[declared[0].key]
+    assert "2 of the 3 have been made on a GPU, and" in page.scale_note("03", profile="ci")

@@ -867,6 +867,8 @@ def draw_routes(groups):
     for p, m, M in zip(params, means, Ms):
         axes[0].annotate(f"$M={M}$", (p, m), textcoords="offset points", xytext=(4, 4), fontsize=9)
     axes[0].set_xscale("log")
+    axes[0].set_xticks(params, [f"{p / 1000:.0f}k" if p >= 10_000 else f"{p / 1000:.1f}k" for p in params])
+    axes[0].minorticks_off()                 # the log axis's own labels crowd each other between the counts
     axes[0].set_xlabel("parameters")
     axes[0].set_ylabel("test accuracy")
     axes[0].legend(fontsize=9, loc="lower right")

@@ -28,10 +28,14 @@ def page_profile() -> str:
     return profiles.current()
 
 
-def _made(chapter: str) -> tuple[int, int]:
+def _made(chapter: str) -> tuple[int, int, set]:
+    """How many of the chapter's units are done, how many it declares, and the kinds of processor the
+    done ones ran on (``"GPU"``, ``"CPU"``)."""
     from . import units
     declared = units.all_units(chapter)
-    return sum(units.state(u)[0] == "done" for u in declared), len(declared)
+    done = [res for st, res in (units.state(u) for u in declared) if st == "done"]
+    kinds = {"CPU" if str(res.get("device", "")).startswith("cpu") else "GPU" for res in done}
+    return len(done), len(declared), kinds
 
 
 def scale_note(chapter: str, profile: str | None = None) -> str:
@@ -54,15 +58,16 @@ def scale_note(chapter: str, profile: str | None = None) -> str:
     else:
         page = ("The networks trained on this page ran at the book's larger profile, on the full MNIST "
                 "training set, with fewer epochs and seeds than the papers used.")
-    done, total = _made(chapter)
+    done, total, kinds = _made(chapter)
     section = f"the section \u201c{PAPER_SCALE_SECTION}\u201d"
     if done == 0:
         runs = f"none of them has been made yet, and {section} will show their results"
     else:
         made = f"all {total} have" if done == total else f"{done} of the {total} {'has' if done == 1 else 'have'}"
-        runs = f"{made} been made, and {section} shows what {'it' if done == 1 else 'they'} found"
-    return (f"{page} The paper-scale trainings are GPU runs whose results are stored with the book: this "
-            f"chapter declares {total}; {runs}.")
+        where = " on a " + kinds.pop() if len(kinds) == 1 else " on GPUs and CPUs"
+        runs = f"{made} been made{where}, and {section} shows what {'it' if done == 1 else 'they'} found"
+    return (f"{page} The paper-scale trainings are longer runs on the full training set, whose results are "
+            f"stored with the book: this chapter declares {total}; {runs}.")
 
 
 def glue_scale(chapter: str) -> str:

@@ -137,8 +137,8 @@ def test_paper_scale_summary_counts_seeds_and_pairs_the_route_counts():
               _group([_route_result(0, 0.93), _route_result(1, 0.89)])]     # M = 8: seeds 0 and 1 only
     text = ch03.paper_scale_summary(groups)
     assert "91.00% test accuracy (mean of 3 seeds)" in text
-    assert "in 2 of 3 seeds a single route carries" in text and "routing entropy at most 0.900 of 2 bits" in text
-    assert "in 2 of 3 seeds that route is the one whose mean gate was largest" in text
+    assert "in 2 of 3 seeds a single route carries" in text and "test digits is at most 0.900 of 2 bits" in text
+    assert "in 2 of 3 seeds the route used most at the end is the one whose mean gate was largest" in text
     # M = 8 minus M = 1 on the seeds both have: +0.03 and -0.01, mean +1.00 points
     assert "by +1.00 percentage points (paired by seed, higher in 1 and lower in 1 of 2 seeds)" in text
     assert ch03.paper_scale_short(groups).endswith("through a single route in 2 of 3 seeds")

@@ -724,9 +724,10 @@ def paper_scale_summary(groups) -> str:
                f"in {one} of {n} seeds a single route carries the test digits")
     text = (f"on all {UNIT_SCHEDULE['train_images']:,} training digits for {UNIT_SCHEDULE['epochs']} epochs the "
             f"network with M = {UNIT_MAIN_ROUTES} routes reaches {acc.mean:.2%} test accuracy "
-            f"({_seeds_words(n)}), and {carried} (routing entropy at most {H:.3f} of "
-            f"{math.log2(UNIT_MAIN_ROUTES):.0f} bits, I(route; class) at most {MI:.4f} bits); "
-            f"in {same_top} of {n} seeds that route is the one whose mean gate was largest at initialisation")
+            f"({_seeds_words(n)}), and {carried} (over the seeds, the routing entropy on the test digits is at "
+            f"most {H:.3f} of {math.log2(UNIT_MAIN_ROUTES):.0f} bits and I(route; class) at most {MI:.3f} bits); "
+            f"in {same_top} of {n} seeds the route used most at the end is the one whose mean gate was largest "
+            f"at initialisation")
     base = _by_seed(groups[0], lambda r: r["metrics"]["test_accuracy"])
     most = _by_seed(groups[-1], lambda r: r["metrics"]["test_accuracy"])
     both = sorted(set(base) & set(most))

@@ -112,7 +112,7 @@ def test_paper_scale_views_from_smoke_results(smoke_root, monkeypatch):
     assert "no r(j) in η" in abl.index and "no r in eta" not in abl.index     # the reader's names
     text = U.banner(rg + ag)
     assert "1 of 5 seeds run" in text and "M = 8 routes (0 of 5" in text and "03/" not in text
-    figs = [ch03.draw_mixing(rg[2].results[0]), ch03.draw_mixing_curves(rg[2].results[0]),
+    figs = [ch03.draw_mixing(rg[2].results[0]),
             ch03.draw_bridge(rg[2].results[0]), ch03.draw_routes(rg), ch03.draw_ablation(ag)]
     assert all(f.axes for f in figs)
     plt.close("all")

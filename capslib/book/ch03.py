@@ -805,30 +805,6 @@ def draw_mixing(result: dict):
                           suptitle=f"Mean $r(j)$ per class, $M = {result['metrics']['routes']}$ (validation digits)")
 
 
-def draw_mixing_curves(result: dict):
-    """Routing entropy (against its ceiling log2 M) and route-class mutual information over the epochs
-    of a ``03/routes`` result."""
-    import matplotlib.pyplot as plt
-
-    from .viz import COLUMN_IN
-
-    ep, H, MI = _curves(result)
-    M = result["metrics"]["routes"]
-    fig, axes = plt.subplots(1, 2, figsize=(COLUMN_IN, 3.2), layout="constrained")
-    axes[0].plot(ep, H, "o-", ms=2)
-    axes[0].axhline(math.log2(M), color="gray", ls="--", lw=0.8, label="$\\log_2 M$")
-    axes[0].set_ylabel("$H(q)$ (bits)")
-    axes[0].legend(fontsize=9)
-    axes[1].plot(ep, MI, "o-", ms=2, color="C1")
-    axes[1].set_ylabel("$I(j;\\,c)$ (bits)")
-    for ax in axes:
-        ax.set_xlabel("epoch (0 = initialisation)")
-        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"Routing entropy and route–class information, $M = {M}$ (validation digits)", fontsize=10)
-    return fig
-
-
 def draw_bridge(result: dict):
     """Route shares per class on the test digits: the learned gate's q(j) beside the agreement couplings'
     mean over the patches, from a ``03/routes`` result with two routes or more."""
@@ -889,22 +865,27 @@ def draw_routes(groups):
 
 def draw_ablation(groups):
     """Routing entropy and route-class mutual information over the epochs for each variant with results:
-    mean over its seeds, the band from the lowest to the highest seed."""
+    the mean over its seeds as a line, and after the last epoch a bar from the lowest to the highest seed
+    (bands over the whole run overlap into one another with five variants)."""
     import matplotlib.pyplot as plt
 
     from .viz import COLUMN_IN
 
     fig, axes = plt.subplots(1, 2, figsize=(COLUMN_IN, 3.8), layout="constrained")
-    drawn = 0
+    drawn, last = 0, 0
     for k, (v, g) in enumerate(zip(VARIANTS, groups)):
         if not g.results:
             continue
         curves = [_curves(r) for r in g.results]
         ep = curves[0][0]
+        last = max(last, ep[-1])
         for ax, i in zip(axes, (1, 2)):
             c = np.array([cv[i] for cv in curves])
             ax.plot(ep, c.mean(0), "-", color=f"C{k}", label=f"{ABLATION_LABELS[v]} ({len(curves)} seed{'s' * (len(curves) > 1)})")
-            ax.fill_between(ep, c.min(0), c.max(0), color=f"C{k}", alpha=0.15)
+            end = ep[-1] + (1 + k) * max(1, len(ep) // 40)               # side by side after the last epoch
+            ax.errorbar([end], [c[:, -1].mean()], yerr=[[c[:, -1].mean() - c[:, -1].min()],
+                                                        [c[:, -1].max() - c[:, -1].mean()]],
+                        fmt="o", ms=3, color=f"C{k}", capsize=2, lw=1)
         drawn += 1
     if not drawn:
         raise ValueError("draw_ablation needs at least one result of the ablations")
@@ -914,6 +895,8 @@ def draw_ablation(groups):
     for ax in axes:
         ax.set_xlabel("epoch (0 = initialisation)")
         ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.set_xticks([x for x in ax.get_xticks() if 0 <= x <= last])     # no epoch numbers under the bars
         ax.grid(alpha=0.3)
+    fig.suptitle("lines: mean over the seeds; bars: lowest to highest seed after the last epoch", fontsize=10)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=9)
     return fig

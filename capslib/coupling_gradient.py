@@ -34,9 +34,9 @@ def _check_grad_v(u_hat, grad_v):
         raise ValueError(f"grad_v must be (B, J, D) = ({B}, {J}, {D}) to match u_hat; got {tuple(grad_v.shape)}")
 
 
-def _check_scale(logit_scale):
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not logit_scale > 0:
-        raise ValueError(f"logit_scale must be a number > 0; got {logit_scale!r}")
+def _check_scale(value, name: str = "logit_scale"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0; got {value!r}")
 
 
 def scaled_routing(u_hat: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0, detach: bool = False):

@@ -701,6 +701,13 @@ def _seeds_words(n: int) -> str:
     return "one seed" if n == 1 else f"mean of {n} seeds"
 
 
+def _main_runs(groups) -> tuple[list, int]:
+    """The main network's paper-scale results (by seed) and in how many of them one route carries the test
+    digits."""
+    main = sorted(groups[UNIT_ROUTES.index(UNIT_MAIN_ROUTES)].results, key=lambda r: r["seed"])
+    return main, sum(r["metrics"]["test_mixing"]["routes_in_use"] == 1 for r in main)
+
+
 def paper_scale_summary(groups) -> str:
     """What the main network (``M = UNIT_MAIN_ROUTES``) does at paper scale, and what more routes buy, in
     one sentence from the ``03/routes`` results: test accuracy, in how many seeds one route carries the
@@ -709,13 +716,12 @@ def paper_scale_summary(groups) -> str:
     routes minus one route's, paired by seed."""
     from .stats import summarise
 
-    main = sorted(groups[UNIT_ROUTES.index(UNIT_MAIN_ROUTES)].results, key=lambda r: r["seed"])
+    main, one = _main_runs(groups)
     if not main:
         return "no paper-scale run of the main network has been made yet, so this section says nothing about it"
     n = len(main)
     m = [r["metrics"] for r in main]
     acc = summarise([x["test_accuracy"] for x in m])
-    one = sum(x["test_mixing"]["routes_in_use"] == 1 for x in m)
     same_top = sum(x["top_route"]["initial"] == x["top_route"]["final"] for x in m)
     H = max(x["test_mixing"]["entropy_bits"] for x in m)
     MI = max(x["test_mixing"]["mutual_information_bits"] for x in m)
@@ -741,11 +747,10 @@ def paper_scale_summary(groups) -> str:
 
 def paper_scale_short(groups) -> str:
     """The main network's collapse at paper scale in a few words (the chapter's summary)."""
-    main = groups[UNIT_ROUTES.index(UNIT_MAIN_ROUTES)].results
+    main, one = _main_runs(groups)
     if not main:
         return "no paper-scale run of the main network has been made yet"
     n = len(main)
-    one = sum(r["metrics"]["test_mixing"]["routes_in_use"] == 1 for r in main)
     where = "in every one of its seeds" if one == n and n > 1 else f"in {one} of {n} seed{'s' * (n > 1)}"
     return (f"trained on all the training digits, the network with M = {UNIT_MAIN_ROUTES} routes sends the test "
             f"digits through a single route {where}")

@@ -18,7 +18,7 @@ import torch
 from . import profiles
 from .units import built_in_float64, cuda_speed_settings, seed_spread, step_summary
 from ..checks import check_positive_int, check_tensor
-from ..coupling_gradient import polarization, scaled_routing
+from ..coupling_gradient import _check_scale, _check_votes, polarization, scaled_routing
 
 CHAPTER = "04_coupling_gradient_proof"
 
@@ -702,7 +702,6 @@ def unit_run(unit, device: torch.device, smoke: bool) -> dict:
     import os
 
     from .. import train
-    from .units import encode_array
 
     cfg = unit.config
     cuda_speed_settings(device)
@@ -1021,11 +1020,10 @@ def margin_upstream(u_hat: torch.Tensor, y: torch.Tensor, iterations: int = 3, l
     """
     from ..ops import margin_loss
 
-    check_tensor("u_hat", u_hat, dims=4, floating=True, shape_doc="(B, I, J, D)")
+    _check_votes(u_hat)
     check_positive_int("iterations", iterations)
-    for name, value in (("logit_scale", logit_scale), ("vote_scale", vote_scale)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0; got {value!r}")
+    _check_scale(logit_scale)
+    _check_scale(vote_scale, "vote_scale")
     if y.dim() != 1 or y.shape[0] != u_hat.shape[0]:
         raise ValueError(f"y must be (B,) = ({u_hat.shape[0]},) labels; got {tuple(y.shape)}")
     votes = float(vote_scale) * u_hat.detach()

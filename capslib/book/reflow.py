@@ -217,8 +217,8 @@ def _grid_colorbars_below(fig) -> float:
     horizontal, under the panels it was made for. Returns the height (inches) they add."""
     added = 0.0
     for ax in list(fig.axes):
-        info = getattr(ax, "_colorbar_info", None)
-        if not _is_colorbar(ax) or info is None or not hasattr(ax, "_colorbar"):
+        info = getattr(ax, "_colorbar_info", None)        # only on colour bars the layout engine places
+        if info is None or not hasattr(ax, "_colorbar"):
             continue
         cb = ax._colorbar
         label = ax.get_ylabel() if cb.orientation == "vertical" else ax.get_xlabel()

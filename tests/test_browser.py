@@ -417,8 +417,25 @@ READING = """() => {
     const columns = head ? Array.from(head.cells).reduce((n, c) => n + (c.colSpan || 1), 0) : 0;
     return columns >= 5 && getComputedStyle(t.tHead).display !== 'none';
   }).map(t => (t.tHead.textContent || '').trim().replace(/\\s+/g, ' ').slice(0, 60));
+  // a word of a table cell that the browser broke across two lines (a column squeezed below its longest word);
+  // hyphens, dashes and slashes are places where a line may end, so the pieces between them count as words
+  const broken = [];
+  root.querySelectorAll('th, td').forEach(c => {
+    if (!shown(c)) return;
+    const tw = document.createTreeWalker(c, NodeFilter.SHOW_TEXT);
+    for (let n = tw.nextNode(); n; n = tw.nextNode()) {
+      if (n.parentElement && n.parentElement.closest(skip)) continue;
+      const re = /[^\\s\\-\\u2010-\\u2015\\/]{2,}/g;
+      for (let m = re.exec(n.textContent); m; m = re.exec(n.textContent)) {
+        const r = document.createRange();
+        r.setStart(n, m.index); r.setEnd(n, m.index + m[0].length);
+        const tops = new Set(Array.from(r.getClientRects()).filter(b => b.width > 0).map(b => Math.round(b.top)));
+        if (tops.size > 1) broken.push(m[0]);
+      }
+    }
+  });
   return {text: parts.join(' '), cells: cells, equations: equations, controls: controls, squeezed: squeezed,
-          page: document.documentElement.scrollWidth, viewport: window.innerWidth};
+          broken: broken, page: document.documentElement.scrollWidth, viewport: window.innerWidth};
 }"""
 
 NAV_LINKS = """(w) => Array.from(document.querySelectorAll('.bd-sidebar-primary nav a, dialog nav a')).filter(a => {
@@ -583,7 +600,7 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
         if seen["page"] > seen["viewport"] + 1:
             problems.append(f"page {seen['page']} px wide in a {seen['viewport']} px viewport (scrolls sideways)")
         for eq in seen["equations"]:
-            problems.append(f"equation {eq['label']!r} " + (f"runs under its number" if eq["under"] else
+            problems.append(f"equation {eq['label']!r} " + ("runs under its number" if eq["under"] else
                             f"{eq['width']} px wide in a {eq['column']} px column"))
         if width != WIDTHS[0]:
             for head in seen["squeezed"]:
@@ -591,6 +608,9 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
         for c in seen["controls"]:
             problems.append(f"interactive figure {c['k'] + 1}: its {c['what']} runs to {c['right']} px, past the "
                             f"player's edge at {c['edge']} px")
+        if width == WIDTHS[0]:  # a phone may break a long word (cells use overflow-wrap: anywhere there)
+            for word in seen["broken"]:
+                problems.append(f"a table cell's word broken across two lines at {width} px: {word[:40]!r}")
         for cell in cut_cells(seen["cells"]):
             problems.append(f"table cell cut: {cell[-60:]!r}")
         problems += [f"in the running text, {p}" for p in
@@ -646,6 +666,20 @@ def site_weight(html: Path) -> tuple[float, list[tuple[str, float]]]:
     pages_mb = sorted(((p.relative_to(html).as_posix(), p.stat().st_size / 1e6) for p in files
                        if p.suffix == ".html"), key=lambda t: -t[1])
     return total, pages_mb
+
+
+@pytest.mark.skipif(not REQUESTED, reason="run by make test-browser on the strict build")
+def test_the_reading_check_finds_a_word_broken_in_a_table_cell(browser_context):
+    """READING reports a word that a squeezed column breaks across lines, and not one broken at a hyphen."""
+    page = browser_context.new_page()
+    try:
+        cell = "<td style='width:3em;max-width:3em;overflow-wrap:{wrap}'>{text}</td>"
+        html = ("<main><table style='table-layout:fixed;width:6em'><tr>" + cell.format(wrap="anywhere", text="parameters")
+                + cell.format(wrap="normal", text="one-two-three") + "</tr></table></main>")
+        page.set_content(html)
+        assert page.evaluate(READING)["broken"] == ["parameters"]
+    finally:
+        page.close()
 
 
 @pytest.mark.skipif(not REQUESTED, reason="run by make test-browser on the strict build")

@@ -245,3 +245,31 @@ def test_a_colour_bar_made_for_some_panels_goes_under_them_and_clear_of_every_ti
     for p in panels:                                             # and over no title
         assert not bar.overlaps(p.title.get_window_extent(renderer)), p.get_title()
     assert bar.y0 > panels[2].get_window_extent(renderer).y1     # above the panels it was not made for
+
+
+def test_a_colour_bar_for_panels_that_end_up_in_rows_apart_goes_under_the_whole_grid():
+    """Chapter 1's figure: a map under each of eight digits, one colour bar for the maps. On a phone the pairs
+    follow in chunks of three, so the maps stand in rows apart; a bar placed for them by the layout engine
+    squeezed every panel to a fraction of its column. It now goes under the whole grid."""
+    rng = np.random.default_rng(3)
+    fig, axes = plt.subplots(2, 8, figsize=(7.2, 2.6), layout="constrained")
+    for k in range(8):
+        axes[0, k].imshow(rng.random((28, 28)), cmap="gray")
+        im = axes[1, k].imshow(rng.random((6, 6)), vmin=0, vmax=1)
+        axes[0, k].axis("off"), axes[1, k].axis("off")
+    axes[1, 0].set_title("a long caption over the first map", loc="left")
+    fig.colorbar(im, ax=axes[1, :], label="the maps' scale")
+    copy = pickle.loads(pickle.dumps(fig))
+    assert reflow._relayout(copy, PHONE)
+    copy.canvas.draw()
+    renderer = copy.canvas.get_renderer()
+    bars = [ax for ax in copy.axes if reflow._is_colorbar(ax)]
+    panels = [ax for ax in copy.axes if not reflow._is_colorbar(ax)]
+    assert len(bars) == 1 and bars[0]._colorbar.orientation == "horizontal"
+    assert bars[0].get_xlabel() == "the maps' scale"
+    bar = bars[0].get_window_extent(renderer)
+    boxes = [p.get_window_extent(renderer) for p in panels]
+    assert bar.y1 <= min(b.y0 for b in boxes) + 1                    # under every panel
+    width = copy.get_size_inches()[0] * copy.dpi
+    first_row = sorted(boxes, key=lambda b: (-b.y1, b.x0))[:3]
+    assert sum(b.width for b in first_row) >= 0.55 * width, [b.width for b in first_row]   # the panels fill their row

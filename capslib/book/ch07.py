@@ -148,7 +148,7 @@ def _chunks(f, x: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([f(x[i:i + size]) for i in range(0, len(x), size)])
 
 
-def _decode_images(model, U: torch.Tensor, y: torch.Tensor, mean: torch.Tensor | None, iterations: int) -> torch.Tensor:
+def decode_images(model, U: torch.Tensor, y: torch.Tensor, mean: torch.Tensor | None, iterations: int) -> torch.Tensor:
     """Output capsules -> images through U (plus the training mean of the input capsules where W saw them centred)."""
     x = poe.decode_capsules(U, y, iterations)
     if mean is not None:
@@ -169,7 +169,7 @@ def generate_restricted(model, U: torch.Tensor, hemispheres: torch.Tensor, g: to
         gj = torch.where((g @ hemispheres[j] < 0).unsqueeze(1), -g, g)
         y = g.new_zeros(g.shape[0], J, Do)
         y[:, j] = squash(gj)
-        images.append(_decode_images(model, U, y, mean, iterations))
+        images.append(decode_images(model, U, y, mean, iterations))
     return torch.stack(images)
 
 
@@ -269,7 +269,7 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
                                    generator=torch.Generator().manual_seed(unit.seed), **_cd_kwargs(cfg) | {"lr": cfg["dec_lr"]})
     history.update({f"dec_{k}": v for k, v in dec.items()})
     with torch.no_grad():
-        rec = _chunks(lambda idx: ((_decode_images(model, U, Y_te[idx], offset, T) - test.x[idx]) ** 2).flatten(1).mean(1),
+        rec = _chunks(lambda idx: ((decode_images(model, U, Y_te[idx], offset, T) - test.x[idx]) ** 2).flatten(1).mean(1),
                       torch.arange(len(test), device=device), chunk)
     metrics["reconstruction_mse"] = float(rec.mean())
     # generated images per capsule, restricted domain (g flipped into the half-sphere of the capsule's mean output)

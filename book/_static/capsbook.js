@@ -178,3 +178,30 @@ function capsbookOnWidthChange(fn) {
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();
 })();
+
+// On a phone, a code name in a table cell (a notebook's name, a function) may end a line after an underscore or a
+// dot: a <wbr> goes there, so that, as such code keeps its words whole there (capsbook.css),
+// "a3_soft_routing_gradients" breaks between its words instead of at any letter. Wider pages keep the name whole
+// (no <wbr>): the page is opened at its width, and a window narrowed later breaks such names at any letter.
+(function () {
+  function breakable(code) {
+    var walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT), nodes = [];
+    for (var n = walker.nextNode(); n; n = walker.nextNode()) nodes.push(n);
+    nodes.forEach(function (n) {
+      var parts = n.textContent.split(/([_.])/);    // text, separator, text, ... (no lookbehind: older Safari)
+      if (parts.length < 3) return;
+      var frag = document.createDocumentFragment();
+      for (var k = 0; k < parts.length; k += 2) {
+        frag.appendChild(document.createTextNode(parts[k] + (k + 1 < parts.length ? parts[k + 1] : "")));
+        if (k + 2 < parts.length) frag.appendChild(document.createElement("wbr"));
+      }
+      n.parentNode.replaceChild(frag, n);
+    });
+  }
+  function all() {
+    if (!window.matchMedia("(max-width: 700px)").matches) return;
+    document.querySelectorAll("article table td code, article table th code").forEach(breakable);
+  }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
+  else all();
+})();

@@ -176,17 +176,6 @@ def _relayout(fig, column_px: float) -> bool:
     used = [k for k in range(rows) if heights[k] > 0]
     heights = [heights[k] for k in used]
     place = [(used.index(r), c) for r, c in place]
-    # a colour bar made for panels that now stand in rows apart (a map under each digit, the digits in chunks):
-    # placed for those panels, the layout engine would squeeze every panel around it; it goes under the whole grid
-    apart = []
-    for ax in fig.axes:
-        info = getattr(ax, "_colorbar_info", None)
-        if info is None or not hasattr(ax, "_colorbar"):
-            continue
-        parents = set(map(id, info["parents"]))
-        rows_of = {place[k][0] for k, (_, group) in enumerate(panels) if any(id(a) in parents for a in group)}
-        if rows_of and max(rows_of) - min(rows_of) + 1 > len(rows_of):
-            apart.append(ax)
     extra = 0.0
     if fig._suptitle is not None and fig._suptitle.get_text():
         fig._suptitle.set_wrap(True)
@@ -206,18 +195,6 @@ def _relayout(fig, column_px: float) -> bool:
                 ax.tick_params(labelbottom=True)
             if c == 0 and len(ax.get_shared_y_axes().get_siblings(ax)) > 1:
                 ax.tick_params(labelleft=True)
-    every = [ax for _, group in panels for ax in group if not _is_colorbar(ax)]
-    for bar in apart:
-        cb = bar._colorbar
-        label = bar.get_ylabel() if cb.orientation == "vertical" else bar.get_xlabel()
-        for parent in bar._colorbar_info["parents"]:      # the layout engine keeps room for a parent's bars
-            if bar in getattr(parent, "_colorbars", []):
-                parent._colorbars.remove(bar)
-        fig.delaxes(bar)
-        again = fig.colorbar(cb.mappable, ax=every, orientation="horizontal", location="bottom", label=label,
-                             aspect=30, shrink=0.9)
-        again.ax._placed_for_a_phone = True          # where it belongs already (_grid_colorbars_below)
-        extra += 0.7
     for ax in fig.axes:
         for text in (ax.title, ax.xaxis.label):       # long titles and axis labels break into lines
             if text.get_text():
@@ -237,16 +214,26 @@ def _relayout(fig, column_px: float) -> bool:
 def _grid_colorbars_below(fig) -> float:
     """Colour bars that the layout engine placed beside their panels (``fig.colorbar(..., ax=axes)``) keep
     to the side of the re-laid panels, where the panels' titles run under them: each is drawn again,
-    horizontal, under the panels it was made for. Returns the height (inches) they add."""
+    horizontal, under the panels it was made for, or under the whole grid where those panels now stand in rows
+    apart (a map under each digit, the digits in chunks: placed for them, the bar would make the layout engine
+    squeeze every panel). Returns the height (inches) they add."""
     added = 0.0
+    panels = [ax for ax in fig.axes if not _is_colorbar(ax) and ax.get_subplotspec() is not None]
     for ax in list(fig.axes):
         info = getattr(ax, "_colorbar_info", None)        # only on colour bars the layout engine places
-        if info is None or not hasattr(ax, "_colorbar") or getattr(ax, "_placed_for_a_phone", False):
+        if info is None or not hasattr(ax, "_colorbar"):
             continue
         cb = ax._colorbar
         label = ax.get_ylabel() if cb.orientation == "vertical" else ax.get_xlabel()
+        parents = list(info["parents"])
+        rows = {r for p in parents for r in p.get_subplotspec().get_topmost_subplotspec().rowspan}
+        if rows and max(rows) - min(rows) + 1 > len(rows):
+            parents = panels
+        for parent in info["parents"]:                    # the layout engine keeps room for a parent's bars
+            if ax in getattr(parent, "_colorbars", []):
+                parent._colorbars.remove(ax)
         fig.delaxes(ax)
-        fig.colorbar(cb.mappable, ax=list(info["parents"]), orientation="horizontal", location="bottom",
+        fig.colorbar(cb.mappable, ax=parents, orientation="horizontal", location="bottom",
                      label=label, aspect=30, shrink=0.9)
         added += 0.7
     return added

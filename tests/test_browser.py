@@ -683,6 +683,30 @@ def test_the_reading_check_finds_a_word_broken_in_a_table_cell(browser_context):
 
 
 @pytest.mark.skipif(not REQUESTED, reason="run by make test-browser on the strict build")
+def test_a_window_narrowed_to_a_phone_breaks_table_code_between_words(server, browser_context):
+    """A page opened at a desktop width keeps its tables' code names whole (no <wbr>); narrowed to a phone's width,
+    it gets the same <wbr> after underscores and dots as the page opened there (capsbook.js)."""
+    wbr = "document.querySelectorAll('article table code wbr').length"
+    counts = []
+    for widths in ((WIDTHS[0], WIDTHS[1]), (WIDTHS[1],)):
+        page = browser_context.new_page()
+        try:
+            page.set_viewport_size({"width": widths[0], "height": HEIGHT})
+            page.goto(f"{server}/book/assignments.html", wait_until="load")
+            if len(widths) == 2:
+                assert page.evaluate(wbr) == 0, "a page opened at a desktop width has <wbr> in its tables' code"
+                page.set_viewport_size({"width": widths[1], "height": HEIGHT})
+                page.wait_for_function(f"{wbr} > 0", timeout=5000)
+                page.wait_for_timeout(400)                   # a second width change must not add more
+                page.set_viewport_size({"width": widths[1] - 20, "height": HEIGHT})
+                page.wait_for_timeout(400)
+            counts.append(page.evaluate(wbr))
+        finally:
+            page.close()
+    assert counts[0] == counts[1] > 0, f"<wbr> narrowed {counts[0]}, opened narrow {counts[1]}"
+
+
+@pytest.mark.skipif(not REQUESTED, reason="run by make test-browser on the strict build")
 def test_page_weights_within_budget():
     assert (HTML / "book").is_dir(), f"no built book in {HTML} (make build-strict)"
     total, pages_mb = site_weight(HTML)

@@ -181,10 +181,13 @@ function capsbookOnWidthChange(fn) {
 
 // On a phone, a code name in a table cell (a notebook's name, a function) may end a line after an underscore or a
 // dot: a <wbr> goes there, so that, as such code keeps its words whole there (capsbook.css),
-// "a3_soft_routing_gradients" breaks between its words instead of at any letter. Wider pages keep the name whole
-// (no <wbr>): the page is opened at its width, and a window narrowed later breaks such names at any letter.
+// "a3_soft_routing_gradients" breaks between its words instead of at any letter. A page opened wider keeps the name
+// whole (no <wbr>) until its window is narrowed to a phone's width; the <wbr> then stay (a name that fits is not
+// broken at them).
 (function () {
   function breakable(code) {
+    if (code.hasAttribute("data-capsbook-wbr")) return;
+    code.setAttribute("data-capsbook-wbr", "");
     var walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT), nodes = [];
     for (var n = walker.nextNode(); n; n = walker.nextNode()) nodes.push(n);
     nodes.forEach(function (n) {
@@ -204,4 +207,5 @@ function capsbookOnWidthChange(fn) {
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", all);
   else all();
+  capsbookOnWidthChange(all);
 })();

@@ -99,6 +99,29 @@ def test_glue_claim_glues_the_spread_and_counts_distinct_values(tmp_path, monkey
     assert glued["k_processor_types"] == "1 processor type" and glued["k_distinct"] == 2
 
 
+def test_by_seed_pairs_claims_of_one_run_per_seed_at_one_thread_count(tmp_path):
+    from capslib.book.spread import by_seed
+
+    old, new = "Old CPU, AVX2 kernels", "New CPU, AVX512 kernels"
+
+    def run(seed, threads, cpu, values):
+        return spread.run_key(seed, threads, cpu), {"seed": seed, "threads": threads, "cpu": cpu, "chapters": {
+            "05": {"claims": [{"name": n, "value": v, "bound": "above", "limit": 0.0} for n, v in values.items()]}}}
+
+    runs = dict([run(0, 2, old, {"a": 1.0, "b": 2.0}), run(0, 2, new, {"a": 1.5, "b": 2.5}),
+                 run(1, 2, old, {"a": 3.0, "b": 4.0}), run(0, 1, new, {"a": 9.0, "b": 9.0}),
+                 run(2, 2, new, {"a": 5.0})])          # seed 2 lacks b: left out
+    path = tmp_path / "spread.json"
+    path.write_text(json.dumps({"runs": runs, "claims": spread.summarise(runs),
+                                "processors": {old: "2026-01-01 10:00", new: "2026-02-01 10:00"}}))
+    # seed 0 from the processor measured last; the one-thread run is another thread count
+    assert by_seed(["a", "b"], threads=2, path=path) == {0: {"a": 1.5, "b": 2.5}, 1: {"a": 3.0, "b": 4.0}}
+    assert by_seed(["a"], threads=1, path=path) == {0: {"a": 9.0}}
+    assert sorted(by_seed(["a"], path=path)) == [0, 1, 2]
+    with pytest.raises(KeyError, match="make spread"):
+        by_seed(["a", "c"], path=path)
+
+
 def _notebook_claims() -> dict[str, tuple[str, str, float]]:
     """Every claims.check(...) call in the chapters: name -> (notebook, bound, limit)."""
     return {k: (d["chapter"], d["bound"], d["limit"]) for k, d in spread.notebook_claims().items()}

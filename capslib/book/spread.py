@@ -37,3 +37,23 @@ def glue_claim(key: str, name: str, path: Path = SPREAD_FILE) -> dict:
     glue(f"{key}_processor_types", f"{processors} processor type{'' if processors == 1 else 's'}", display=False)
     glue(f"{key}_distinct", d["distinct"], display=False)
     return d
+
+
+def by_seed(names: list[str], threads: int = 2, path: Path = SPREAD_FILE) -> dict[int, dict[str, float]]:
+    """The values of the claims ``names`` per seed, from the spread's runs at ``threads`` threads: one run per
+    seed (each a whole execution of the chapter, its networks trained from that seed), so that quantities
+    measured in the same run can be paired seed by seed. A seed measured on several processors takes the run of
+    the processor measured last; a seed missing any of ``names`` is left out."""
+    table = json.loads(path.read_text())
+    for name in names:
+        if name not in table["claims"]:
+            raise KeyError(f"claim {name!r} is not in {path.name}; run `make spread`")
+    measured = table.get("processors", {})
+    chosen: dict[int, str] = {}
+    for key, run in table["runs"].items():
+        if run["threads"] != threads or not all(key in table["claims"][n]["values"] for n in names):
+            continue
+        seed, last = run["seed"], chosen.get(run["seed"])
+        if last is None or measured.get(run.get("cpu") or "", "") > measured.get(table["runs"][last].get("cpu") or "", ""):
+            chosen[seed] = key
+    return {seed: {n: float(table["claims"][n]["values"][key]) for n in names} for seed, key in sorted(chosen.items())}

@@ -102,7 +102,7 @@ build-strict: $(STAMP)
 test-browser: build-strict
 	@chromium=$$(command -v chromium) || { echo "test-browser: needs Debian's chromium (apt-get install -y chromium)"; exit 1; }; \
 	  start=$$(date +%s); CAPSBOOK_BROWSER=1 CAPSBOOK_CHROMIUM=$$chromium timeout 420 $(PY) -m pytest -q -p no:cacheprovider \
-	    tests/test_browser.py -k "chromium or weights"; rc=$$?; \
+	    tests/test_browser.py -k "chromium or weights or reading or narrowed"; rc=$$?; \
 	  echo "browser test: $$(( $$(date +%s) - start )) s (report: _build/screens/report.txt)"; exit $$rc
 
 # make reproduce CHAPTERS="02 04": those chapters at the full profile, executed in place one at a

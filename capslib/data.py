@@ -192,17 +192,19 @@ def affine(x: torch.Tensor, size: int = 40, seed: int = 0, rotation: float = 20.
     return F.grid_sample(canvas, grid, mode="bilinear", padding_mode="zeros", align_corners=False).clamp(0, 1)
 
 
-def rotate(x: torch.Tensor, degrees: float, seed: int | None = 0) -> torch.Tensor:
+def rotate(x: torch.Tensor, degrees, seed: int | None = 0) -> torch.Tensor:
     """Each image turned about its centre by ``degrees`` (counter-clockwise on screen), bilinear,
     same size (corners that leave the frame are lost, new ones are zero). With ``seed`` (not None)
     each image gets a random sign, +``degrees`` or -``degrees``, drawn from that seed, so that a set
-    turned by 40 holds digits at both +40 and -40; ``seed=None`` turns every image the same way."""
+    turned by 40 holds digits at both +40 and -40; ``seed=None`` turns every image the same way.
+    ``degrees`` may also be a tensor ``(N,)``: image ``n`` turned by ``degrees[n]``."""
     if x.dim() != 4:
         raise ValueError(f"x must be (N, C, H, W); got {tuple(x.shape)}")
-    if not math.isfinite(float(degrees)):
-        raise ValueError(f"degrees must be a finite number; got {degrees!r}")
     N = x.shape[0]
-    ang = torch.full((N,), math.radians(float(degrees)), dtype=torch.float64)
+    deg = torch.as_tensor(degrees, dtype=torch.float64).cpu()
+    if deg.shape not in ((), (N,)) or not bool(torch.isfinite(deg).all()):
+        raise ValueError(f"degrees must be a finite number or a tensor of {N} of them; got {degrees!r}")
+    ang = (deg * (math.pi / 180.0)).expand(N).clone()   # as math.radians rounds
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
         ang = ang * torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0).double()

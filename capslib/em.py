@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import check_positive_int, check_tensor
-from .ops import bmm
+from .ops import Reads
 
 FINAL_LAMBDA = 1.0    # lambda of the last routing iteration, for normalised costs (the paper gives no value)
 LITERAL_FINAL_LAMBDA = 0.03   # a workable lambda for the literal (unnormalised) cost at the ci network's scale
@@ -129,7 +129,8 @@ def _em(Vt, a, beta_u, beta_a, iterations, final_lambda, var_floor, eps, final_e
     shift = Vt.mean(dim=2, keepdim=True)                       # (B, J, 1, H)
     V = Vt - shift
     V2 = V * V
-    VV = torch.cat([V, V2], dim=-1)                            # one matrix product per step reads both
+    # one matrix product per step reads both halves; every read's gradient is gathered (ops.Reads)
+    VV = Reads(torch.cat([V, V2], dim=-1).reshape(B * J, I, 2 * H))
     a = a.unsqueeze(1)                                         # (B, 1, I)
     R = Vt.new_full((B, J, I), 1.0 / J)                        # Procedure 1, line 1
     for t, lam in enumerate(inverse_temperatures(iterations, final_lambda, schedule)):
@@ -149,9 +150,9 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
 
     ``renormalise``: the pitfall of :func:`em_routing` (``renormalise_over_parents``).
 
-    ``VV`` is ``cat([V, V2], -1)`` when the caller has it: then each step reads the vote
-    tensor with a single batched matrix product instead of two (:func:`capslib.ops.bmm`, whose
-    backward pass forms the votes' gradient, an outer product, without a matrix product).
+    ``VV`` is :class:`capslib.ops.Reads` of ``cat([V, V2], -1)`` laid out ``(B*J, I, 2H)`` when the caller
+    has it: then each step reads the vote tensor with a single batched matrix product instead of two,
+    and the votes' gradient from every read of the loop is formed once, by one matrix product.
     """
     H = V.shape[-1]
     # M-step
@@ -170,7 +171,7 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
         mu = torch.matmul(wr, V).squeeze(-2)               # mu_jh (centred)
         ex2 = torch.matmul(wr, V2).squeeze(-2)
     else:
-        mu, ex2 = bmm(wr.reshape(B * J, 1, I), VV.reshape(B * J, I, 2 * H)).view(B, J, 2 * H).split(H, dim=-1)
+        mu, ex2 = VV.weigh(wr.reshape(B * J, 1, I)).view(B, J, 2 * H).split(H, dim=-1)
     sigma2 = (ex2 - (2.0 - s) * mu * mu).clamp_min(0.0) + var_floor
     amount = rsum / V.shape[2] if normalize == "mean" else rsum   # Eq. ch5-costnorm: sum_i r'_ij / I
     cost = ((bu.unsqueeze(-1) + 0.5 * torch.log(sigma2)) * amount.unsqueeze(-1)).sum(dim=-1)   # sum_h cost_jh
@@ -184,7 +185,7 @@ def _em_round(V, V2, a, R, bu, ba, lam, var_floor, eps, do_e_step, normalize="me
             quad = (torch.matmul(V2, q.unsqueeze(-1)) - 2.0 * torch.matmul(V, (mu * q).unsqueeze(-1))).squeeze(-1)
         else:
             z = torch.cat([-2.0 * mu * q, q], dim=-1)
-            quad = bmm(VV.reshape(B * J, I, 2 * H), z.reshape(B * J, 2 * H, 1)).view(B, J, I)
+            quad = VV.project(z.reshape(B * J, 2 * H, 1)).view(B, J, I)
         quad = quad + (mu * mu * q).sum(dim=-1, keepdim=True)
         logp = -quad - 0.5 * torch.log(2.0 * math.pi * sigma2).sum(dim=-1, keepdim=True)
         R = torch.softmax(F.logsigmoid(logit).unsqueeze(-1) + logp, dim=1)

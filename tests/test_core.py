@@ -227,6 +227,65 @@ def test_bmm_bad_input(a, b, err, msg):
         capslib.ops.bmm(a, b)
 
 
+
+# ------------------------------------------------------------------ ops.Reads (one tensor read by a loop)
+
+def _loop_of_reads(x, w0, z0, *, gathered):
+    """Two weighted sums and two projections of ``x``, each factor made from earlier reads."""
+    reads = capslib.ops.Reads(x) if gathered else None
+    weigh = reads.weigh if gathered else (lambda w: torch.bmm(w, x))
+    project = reads.project if gathered else (lambda z: torch.bmm(x, z))
+    s = weigh(w0)                                                    # (N, 1, P)
+    q = project(z0 + s.transpose(1, 2))                              # (N, K, 1)
+    s2 = weigh(torch.softmax(q.transpose(1, 2), dim=-1))
+    q2 = project(torch.tanh(s2).transpose(1, 2))
+    return s2.square().sum() + (q2 * q).sum()
+
+
+def test_reads_gradients_equal_torch_bmm_in_a_loop():
+    g = torch.Generator().manual_seed(3)
+    x, w0 = torch.randn(5, 7, 3, generator=g, **f64), torch.rand(5, 1, 7, generator=g, **f64)
+    z0 = torch.randn(5, 3, 1, generator=g, **f64)
+    grads = []
+    for gathered in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, w0, z0)]
+        loss = _loop_of_reads(*leaves, gathered=gathered)
+        grads.append((loss, *torch.autograd.grad(loss, leaves)))
+    for mine, ref in zip(*grads):
+        torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: _loop_of_reads(*t, gathered=True),
+                                    tuple(t.clone().requires_grad_() for t in (x, w0, z0)))
+
+
+def test_reads_backward_twice_and_without_a_graph():
+    x = torch.randn(4, 6, 2, **f64, requires_grad=True)
+    w = torch.rand(4, 1, 6, **f64)
+    reads = capslib.ops.Reads(x)
+    out = reads.weigh(w).sum() + reads.project(torch.ones(4, 2, 1, **f64)).sum()
+    first = torch.autograd.grad(out, x, retain_graph=True)[0]
+    torch.testing.assert_close(torch.autograd.grad(out, x)[0], first)    # the book starts empty each time
+    torch.testing.assert_close(first, w.transpose(1, 2).expand(4, 6, 2) + 1.0)
+    with torch.no_grad():                                                # no graph: plain products, x as given
+        plain = capslib.ops.Reads(x)
+        assert plain.x is x and torch.equal(plain.weigh(w), torch.bmm(w, x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = capslib.ops.Reads(x.float())
+        assert cast.x.dtype == cast.weigh(w.float()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("call,factor,msg", [
+    ("weigh", torch.zeros(4, 2, 6), "weigh needs a factor"),
+    ("weigh", torch.zeros(3, 1, 6), "weigh needs a factor"),
+    ("project", torch.zeros(4, 6, 1), "project needs a factor"),
+])
+def test_reads_bad_factor(call, factor, msg):
+    reads = capslib.ops.Reads(torch.zeros(4, 6, 2))
+    with pytest.raises(ValueError, match=msg):
+        getattr(reads, call)(factor)
+    with pytest.raises(ValueError, match="x must"):
+        capslib.ops.Reads(torch.zeros(4, 6))
+
+
 def _routing_by_einsum(u_hat, iterations, detach):
     """Procedure 1 written with einsum, as capslib wrote it before ops.bmm."""
     b = u_hat.new_zeros(u_hat.shape[:3])

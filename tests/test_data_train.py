@@ -502,6 +502,12 @@ def test_rotate_turns_counter_clockwise_about_the_centre_and_draws_signs_from_th
         data.rotate(x[0], 10)
     with pytest.raises(ValueError, match="degrees must be a finite number"):
         data.rotate(x, float("nan"))
+    # one angle per image: image n as if turned alone by its angle
+    per = torch.tensor([30.0, -30.0] * 32)
+    torch.testing.assert_close(data.rotate(x, per, seed=None), torch.where(per.view(-1, 1, 1, 1) > 0, plus, minus))
+    with pytest.raises(ValueError, match="tensor of 64"):
+        data.rotate(x, per[:5])
+
 
 
 def test_correct_marks_each_example_and_evaluate_is_its_mean():

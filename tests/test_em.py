@@ -135,6 +135,45 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f, tuple(t.clone().requires_grad_(True) for t in (V, a, bu, ba)))
 
 
+
+class _UngatheredReads(capslib.ops.Reads):
+    """Reads whose products are plain ``capslib.ops.bmm``: each read's outer product formed on its own."""
+
+    def __init__(self, x):
+        super().__init__(x)
+        self._gathered, self.x = False, x
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(detach=True), dict(renormalise_over_parents=True),
+                                dict(normalize="std"), dict(normalize="none", final_lambda=em.AUTHORS_FINAL_LAMBDA,
+                                                            schedule="authors")])
+def test_gradients_gathered_from_every_read_are_autograds(kw, monkeypatch):
+    # every read of the votes leaves its part of their gradient to one product (capslib.ops.Reads): the
+    # gradients must equal those of the votes' outer products formed read by read, and (float64) the
+    # derivative (gradcheck) and autograd through the plain formulas, where routing is differentiated whole
+    V, a, bu, ba = _inputs(B=2, I=5, J=3, H=4)
+    lams = em.inverse_temperatures(3, kw.get("final_lambda", em.FINAL_LAMBDA), kw.get("schedule", "ramp"))
+    plain = lambda *t: plain_em(*t, 3, normalize=kw.get("normalize", em.NORMALIZE), lambdas=lams)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (V, a, bu, ba)]
+        mu, act, R = fn(*leaves)
+        loss = mu.square().sum() + (act * torch.arange(3.0, dtype=act.dtype)).sum() + R[..., 0].sum()
+        return torch.autograd.grad(loss, leaves)
+
+    gathered = grads(lambda *t: em.em_routing(*t, 3, **kw))
+    monkeypatch.setattr(em, "Reads", _UngatheredReads)
+    for mine, ref in zip(gathered, grads(lambda *t: em.em_routing(*t, 3, **kw))):
+        torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)
+    monkeypatch.undo()
+    if kw.get("detach"):
+        return       # detached couplings: by design not the derivative of the routing
+    assert torch.autograd.gradcheck(lambda *t: em.em_routing(*t, 3, **kw)[:2],
+                                    tuple(t.clone().requires_grad_(True) for t in (V, a, bu, ba)))
+    if not kw.get("renormalise_over_parents"):             # plain_em has no pitfall switch
+        for mine, ref in zip(gathered, grads(plain)):
+            torch.testing.assert_close(mine, ref, rtol=1e-9, atol=1e-10)
+
 def test_trace_ends_at_em_routing():
     V, a, bu, ba = _inputs()
     states = em.em_trace(V, a, bu, ba, 3)
@@ -340,3 +379,27 @@ def test_the_pitfall_is_a_switch_of_a_trained_network():
     assert not torch.allclose(switched, plain)
     with pytest.raises(ValueError, match="must be a bool"):
         model.renormalise_over_parents = 1
+
+
+def test_random_turn_draws_each_image_an_angle_within_its_range():
+    x = capslib.data.embedded_mnist()["test"].x[:48]
+    turn = ch05.RandomTurn(20, seed=3)
+    first, second = turn(x), turn(x)
+    assert not torch.equal(first, second)                                  # new angles for every batch
+    assert torch.equal(ch05.RandomTurn(20, seed=3)(x), first)              # seeded
+    # each image equals one turn of itself by an angle in [-20, 20]: the nearest of a fine grid of turns
+    grid = torch.linspace(-20, 20, 81)
+    turned = torch.stack([capslib.data.rotate(x, float(a), seed=None) for a in grid])          # (81, N, 1, 28, 28)
+    err = (turned - first).abs().flatten(2).max(dim=2).values                           # (81, N)
+    best = grid[err.argmin(dim=0)]
+    assert float(err.min(dim=0).values.max()) < 0.25                   # a grid step (0.5 degree) away at most
+    assert best.min() < -5 and best.max() > 5                          # both ways, and not all near 0
+    outside = torch.stack([capslib.data.rotate(x, a, seed=None) for a in (-35.0, 35.0)])
+    assert float((outside - first).abs().flatten(2).max(dim=2).values.min()) > 0.25
+    assert torch.equal(ch05.RandomTurn(0)(x), x)
+    for bad in (-1, 200, float("nan")):
+        with pytest.raises(ValueError, match="max_degrees"):
+            ch05.RandomTurn(bad)
+    with pytest.raises(ValueError, match="x must be"):
+        turn(x[0])
+

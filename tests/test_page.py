@@ -71,3 +71,35 @@ def test_scale_note_says_which_processor_made_the_runs(monkeypatch):
     made[declared[1].key] = made[declared[2].key] = "cuda (NVIDIA H200)"
     del made[declared[0].key]
     assert "2 of the 3 have been made on a GPU, and" in page.scale_note("03", profile="ci")
+
+
+def test_the_built_site_leaves_out_the_mathjax_entry_points_no_page_loads(tmp_path):
+    import importlib
+    from pathlib import Path
+
+    import yaml
+
+    from capslib.tools import sphinx_mathjax_trim as trim
+    offline = importlib.import_module("sphinx-mathjax-offline")
+    shipped = Path(offline.__file__).parent / "static" / "mathjax"
+
+    class App:                       # what sphinx-mathjax-offline's setup writes into the configuration
+        class config:
+            mathjax_path = None
+    offline.setup(type("A", (), {"config": App.config, "connect": lambda *a, **k: None})())
+    assert Path(App.config.mathjax_path).name == trim.ENTRY and (shipped / trim.ENTRY).is_file()
+    assert all((shipped / name).is_file() for name in trim.UNUSED)          # the list names real bundles
+    extensions = yaml.safe_load((Path(__file__).parents[1] / "_config.yml").read_text())["sphinx"]["extra_extensions"]
+    assert extensions.index("capslib.tools.sphinx_mathjax_trim") > extensions.index("sphinx-mathjax-offline")
+    site = tmp_path / "mathjax"
+    (site / "input" / "tex").mkdir(parents=True)
+    for name in (trim.ENTRY, "loader.js", "input/tex/ams.js", *trim.UNUSED):
+        (site / name).write_text("//")
+    assert sorted(trim.trim(site)) == sorted(trim.UNUSED)
+    assert sorted(p.relative_to(site).as_posix() for p in site.rglob("*.js")) == ["input/tex/ams.js", "loader.js",
+                                                                                 trim.ENTRY]
+    (site / trim.ENTRY).unlink()
+    (site / "tex-svg.js").write_text("//")
+    assert trim.trim(site) == [] and (site / "tex-svg.js").is_file()       # laid out otherwise: left whole
+    with pytest.raises(ValueError, match="cannot be trimmed"):
+        trim.trim(site, entry="tex-svg.js")

@@ -102,6 +102,30 @@ def test_the_graphed_loop_with_a_stand_in_takes_the_static_steps(monkeypatch, ca
     assert capsys.readouterr().out == ""
 
 
+
+def test_an_em_network_takes_the_same_steps_through_the_graphed_loop(monkeypatch):
+    # EM routing gathers the votes' gradient from every read of a pass (capslib.ops.Reads): the stand-in's replays
+    # of the kept step must give the static path's numbers, as for the CapsNet above
+    from capslib import em, em_layers
+
+    def net():
+        torch.manual_seed(0)
+        return em_layers.EMCapsNet(A=4, B=2, C=2, D=2, iterations=2)
+
+    def loss(model, x, y):
+        out = model(x)
+        return em.spread_loss(out.activations, y, 0.5), out.activations
+
+    d = _split(48)
+    kw = dict(KW, batch_size=12)
+    static, graphed = net(), net()
+    h_s = train.fit(static, d, loss, optimizer=_tensor_lr_adam(static), fast="static", **kw)
+    backend = _stand_in(monkeypatch)
+    h_g = train.fit(graphed, d, loss, optimizer=_tensor_lr_adam(graphed), fast=True, **kw)
+    assert h_g["step_path"] == "graphed" and backend.captures == 1
+    assert _same_weights(static, graphed) and h_s["loss"] == h_g["loss"]
+    assert not _same_weights(static, net())                                 # it trained
+
 def test_the_decayed_learning_rate_reaches_the_captured_step(monkeypatch):
     _stand_in(monkeypatch)
     net = _tiny()

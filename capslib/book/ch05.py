@@ -63,7 +63,7 @@ profiles.register(
     # before the chapter's re-executions over seeds 0-4 measured it (as turn_margin of the small world).
     # viewpoint_train_turn: the restricted range of the paper's protocol on digits: a second EM network and its
     # matched CNNs train on digits each turned by its own angle in [-viewpoint_train_turn, viewpoint_train_turn]
-    # degrees (capslib.data.RandomTurn, new angles every batch), a third of the range tested; the turned test
+    # degrees (RandomTurn below, new angles every batch), a third of the range tested; the turned test
     # angles above it are the novel ones.
     ci=dict(dataset="embedded", A=16, B=4, C=4, D=4, iterations=3, train_subset=None, epochs=3, batch_size=32,
             lr=2e-3, lr_decay=None, margin=(0.2, 0.9), final_lambda=FINAL_LAMBDA, normalize=NORMALIZE,

@@ -185,6 +185,28 @@ def test_division_of_labour_reads_the_partition_of_the_winning_experts():
         ch07.division_of_labour(lengths, labels, shuffles=0)
 
 
+def test_firing_pattern_counts_the_experts_on_for_each_image():
+    # image 0: one expert on (0.9 of 1.2 in all); image 1: every expert weakly on-ish but none past 1/2;
+    # image 2: two experts on; image 3: all off, the winner 0.4 against a runner-up of 0.2
+    lengths = torch.tensor([[0.9, 0.2, 0.1], [0.45, 0.45, 0.3], [0.8, 0.6, 0.0], [0.4, 0.2, 0.2]])
+    f = ch07.firing_pattern(lengths)
+    assert f["on"] == pytest.approx(3 / 12)
+    assert f["one_on"] == pytest.approx(1 / 4)
+    assert f["winner_share"] == pytest.approx((0.9 / 1.2 + 0.45 / 1.2 + 0.8 / 1.4 + 0.4 / 0.8) / 4)
+    assert f["runner_up"] == pytest.approx((0.2 / 0.9 + 1.0 + 0.6 / 0.8 + 0.5) / 4)
+    # a generated code of Fig. 2: one capsule at squash(g)'s length, the others 0
+    lone = torch.zeros(5, 20)
+    lone[:, 3] = 0.93
+    g = ch07.firing_pattern(lone)
+    assert g["one_on"] == 1.0 and g["winner_share"] == pytest.approx(1.0) and g["runner_up"] == 0.0
+    # equal lengths: each holds 1 / J
+    assert ch07.firing_pattern(torch.full((4, 20), 0.1))["winner_share"] == pytest.approx(1 / 20)
+    with pytest.raises(ValueError, match="lengths must be"):
+        ch07.firing_pattern(torch.ones(3))
+    with pytest.raises(ValueError, match="non-negative"):
+        ch07.firing_pattern(-torch.ones(3, 2))
+
+
 def test_part_pose_world_agrees_under_the_true_transforms_and_clutters_a_share_of_parts():
     """Chapter 5's small world: without noise or clutter, every part's vote under W_tk = P_tk is the object's
     pose (the votes for the true class agree exactly, those for another class do not); clutter replaces about the

@@ -17,7 +17,11 @@ CHAPTER = "07_products_of_expert_capsules"
 # uncentred run and the centred run with the sparsity term go over every seed). `label_shuffles`: how many
 # shufflings of the labels give the chance level of the division of labour (:func:`division_of_labour`);
 # `specialise_margin`: the margin of practical equivalence for a difference of two winner purities, declared
-# before the runs of the chapter's controls.
+# before the runs of the chapter's controls. `sparsity_strong`: the sparsity term's weight in the run that asks
+# whether pressing harder makes the experts fire for fewer digits (the centred run's seeds, its target);
+# `concentrate_margin`: the margin of practical equivalence for the change of the most active capsule's share of a
+# digit's firing (:func:`firing_pattern`) at that weight, declared before the run: 0.05 = 1 / out_caps, the share
+# of one capsule when all fire equally.
 profiles.register(
     CHAPTER,
     ci=dict(dataset="embedded", channels=32, kernel=9, capsule_dim=8, out_caps=20, out_dim=16,
@@ -25,15 +29,15 @@ profiles.register(
             cd_epochs=3, cd_lr=0.05, cd_momentum=0.9, cd_decay=0.9, cd_l2=1e-4, cd_batch=50,
             dec_epochs=2, dec_lr=0.05, init_std=0.01, samples=4, purity_samples=20,
             classifier_epochs=1, classifier_subset=2000, seeds=3,
-            control_subset=1000, control_seeds=3, sparsity_strength=100.0, sparsity_target=0.1,
-            label_shuffles=100, specialise_margin=0.1),
+            control_subset=1000, control_seeds=3, sparsity_strength=100.0, sparsity_target=0.1, sparsity_strong=1000.0,
+            label_shuffles=100, specialise_margin=0.1, concentrate_margin=0.05),
     full=dict(dataset="mnist", channels=128, kernel=9, capsule_dim=8, out_caps=20, out_dim=16,
               iterations=3, dropout=0.1, ae_epochs=20, ae_lr=1e-3, ae_batch=128, unsupervised_subset=None,
               cd_epochs=30, cd_lr=0.05, cd_momentum=0.9, cd_decay=0.95, cd_l2=1e-4, cd_batch=128,
               dec_epochs=30, dec_lr=0.05, init_std=0.01, samples=4, purity_samples=500,
               classifier_epochs=10, classifier_subset=None, seeds=5,
-              control_subset=None, control_seeds=5, sparsity_strength=100.0, sparsity_target=0.1,
-              label_shuffles=100, specialise_margin=0.1),
+              control_subset=None, control_seeds=5, sparsity_strength=100.0, sparsity_target=0.1, sparsity_strong=1000.0,
+              label_shuffles=100, specialise_margin=0.1, concentrate_margin=0.05),
 )
 
 
@@ -53,7 +57,7 @@ profiles.register(
 # - ``both``: the centred input capsules with the sparsity term (in the chapter's controls the experts then divide the digits).
 #
 # Measured: the autoencoder's test error; the experts' firing probability and mean resultant length (the
-# collapse); the division of labour (:func:`division_of_labour`: each training digit given to the expert that
+# collapse); which experts are on for each digit (:func:`firing_pattern`); the division of labour (:func:`division_of_labour`: each training digit given to the expert that
 # fires most for it); a linear read-out of the test labels from the 20 output capsules, from the input capsules, and
 # from a random W of the trained W's norm; the reconstruction error through the capsules and U; generated
 # images per capsule (restricted domain) and their class purity and distinct majority classes under a
@@ -79,7 +83,7 @@ _FULL = profiles.SIZES[CHAPTER]["full"]
 UNIT_FAMILY = "poe-pipeline"
 # ``version`` counts changes to what the units' ``run`` does that the probe cannot see (bump it with such
 # a change: every chapter-7 result then reads stale).
-UNIT_SCHEDULE = dict(version=2, dataset="mnist", split_seed=0, train_images=55_000,
+UNIT_SCHEDULE = dict(version=3, dataset="mnist", split_seed=0, train_images=55_000,
                      ae_epochs=10, cd_epochs=15, dec_epochs=15, classifier_epochs=2,
                      full_epochs=dict(ae=_FULL["ae_epochs"], cd=_FULL["cd_epochs"], dec=_FULL["dec_epochs"]),
                      **{k: _FULL[k] for k in ("channels", "kernel", "capsule_dim", "out_caps", "out_dim", "iterations",
@@ -259,6 +263,7 @@ def unit_run(unit: Unit, device: torch.device, smoke: bool) -> dict:
                            "resultant_per_capsule": resultant.tolist(), "weight_norm": float(W.norm())}
     labour = division_of_labour(lengths, tr.y, shuffles=cfg["label_shuffles"])
     metrics["division"] = {k: v for k, v in labour.items() if k != "winner"}
+    metrics["firing_pattern"] = firing_pattern(lengths)
     metrics["readout"] = {
         "capsules": _readout(Y_tr.flatten(1), tr.y, Y_te.flatten(1), test.y, ridge),
         "random_W": _readout(encode(Wr, Xv_tr).flatten(1), tr.y, encode(Wr, Xv_te).flatten(1), test.y, ridge),
@@ -343,6 +348,24 @@ def division_of_labour(lengths: torch.Tensor, labels: torch.Tensor, shuffles: in
             "majority": torch.where(c.sum(1) > 0, c.argmax(1), torch.full((J,), -1)).tolist()}
 
 
+def firing_pattern(lengths: torch.Tensor) -> dict:
+    """Which experts are *on* for each image: capsule ``j`` is on when its firing probability, the length
+    ``lengths (N, J)`` of its output, exceeds 1/2 (on more likely than off). Returns ``on``, the share of the
+    (image, capsule) pairs that are on; ``one_on``, the share of the images with exactly one capsule on (what a
+    generated code of Hauser's Fig. 2 is: one capsule set to squash(g), the others to 0); ``winner_share``, the
+    mean over the images of the longest capsule's share of the summed lengths (1 / J for equal lengths, 1 for
+    one capsule alone); ``runner_up``, the mean ratio of the second longest length to the longest."""
+    if lengths.dim() != 2 or lengths.shape[1] < 2:
+        raise ValueError(f"lengths must be (N, J) with J >= 2; got {tuple(lengths.shape)}")
+    if bool((lengths < 0).any()) or not bool(torch.isfinite(lengths).all()):
+        raise ValueError("lengths must be finite and non-negative")
+    on = lengths > 0.5
+    top = lengths.topk(2, dim=1).values
+    return {"on": float(on.double().mean()), "one_on": float((on.sum(1) == 1).double().mean()),
+            "winner_share": float((top[:, 0] / lengths.sum(1).clamp_min(1e-12)).double().mean()),
+            "runner_up": float((top[:, 1] / top[:, 0].clamp_min(1e-12)).double().mean())}
+
+
 def _register() -> None:
     s = UNIT_SCHEDULE
     images = (s["ae_epochs"] + s["cd_epochs"] + s["dec_epochs"] + s["classifier_epochs"]) * s["train_images"]
@@ -405,6 +428,8 @@ def experts_frame(groups):
             "experts that win digits": cell(g, lambda m: m["division"]["experts"], 1),
             "winner purity": cell(g, lambda m: m["division"]["purity"]),
             "winner purity, labels shuffled": cell(g, lambda m: m["division"]["shuffled"]),
+            "digits with one expert on": cell(g, lambda m: m["firing_pattern"]["one_on"]),
+            "winner's share of the firing": cell(g, lambda m: m["firing_pattern"]["winner_share"]),
             "read-out accuracy": cell(g, lambda m: m["readout"]["capsules"]),
             "read-out, random W": cell(g, lambda m: m["readout"]["random_W"]),
             "class purity": cell(g, lambda m: m["purity"]["mean"]),

@@ -100,19 +100,42 @@ def summarise(values: Iterable, seeds: Sequence[int] = (), level: float = 0.95) 
     return Summary(tuple(vals), tuple(int(s) for s in seeds), level)
 
 
-def over_seeds(fn: Callable[[int], float | dict], seeds: Sequence[int], level: float = 0.95):
+def over_seeds(fn: Callable[[int], float | dict], seeds: Sequence[int], level: float = 0.95, isolated: bool = False):
     """Run ``fn(seed)`` for every seed. ``fn`` returns a number or a dict of numbers; the result is a
-    :class:`Summary` or a dict of them (same keys), each remembering the seeds."""
+    :class:`Summary` or a dict of them (same keys), each remembering the seeds. ``isolated``: each run in a
+    process of its own at one thread, several at a time (:func:`capslib.book.isolate.map_isolated`: ``fn``
+    must depend on its seed alone and change nothing of the caller's)."""
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"over_seeds: seeds must be distinct and non-empty, got {seeds}")
-    runs = [fn(s) for s in seeds]
+    if isolated:
+        from .isolate import map_isolated
+        runs = map_isolated(fn, seeds)
+    else:
+        runs = [fn(s) for s in seeds]
     if all(isinstance(r, dict) for r in runs):
         names = list(runs[0])
         if any(list(r) != names for r in runs):
             raise ValueError("over_seeds: every run must return the same keys")
         return {k: summarise([r[k] for r in runs], seeds, level) for k in names}
     return summarise(runs, seeds, level)
+
+
+def over_seeds_for(keys: Sequence, fn: Callable[[object, int], float | dict], seeds: Sequence[int],
+                   level: float = 0.95, isolated: bool = False) -> dict:
+    """``{key: over_seeds(lambda s: fn(key, s), seeds)}`` for every key (a setting, a method); with ``isolated``
+    every (key, seed) run is one task of :func:`capslib.book.isolate.map_isolated`, so that as many run at once
+    as there are workers, whatever the number of seeds."""
+    keys, seeds = list(keys), list(seeds)
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"over_seeds_for: keys must be distinct, got {keys}")
+    jobs = [(k, s) for k in keys for s in seeds]
+    if isolated:
+        from .isolate import map_isolated
+        done = dict(zip(jobs, map_isolated(lambda job: fn(*job), jobs)))
+    else:
+        done = {job: fn(*job) for job in jobs}
+    return {k: over_seeds(lambda s, k=k: done[k, s], seeds, level) for k in keys}
 
 
 def paired(a: Summary, b: Summary) -> Summary:

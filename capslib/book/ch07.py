@@ -67,7 +67,6 @@ profiles.register(
 # that each unit projects within 8 minutes on one H100 at the conservative rate assumed for a network
 # with no bench measurement: the CD-1 and decoder stages have none (the step bench timed the autoencoder).
 
-import math as _math
 import os
 
 import numpy as np

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import random
@@ -29,7 +30,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-
 
 
 def can_fork() -> bool:
@@ -110,7 +110,7 @@ def map_isolated(fn: Callable, items: Sequence, workers: int | None = None) -> l
                 proc.start()
                 writer.close()
                 running[reader] = (k, proc)
-            for reader in mp.connection.wait(list(running)):
+            for reader in multiprocessing.connection.wait(list(running)):
                 k, proc = running.pop(reader)
                 try:
                     answers[k] = pickle.loads(reader.recv_bytes())

@@ -105,13 +105,6 @@ def test_a_failed_or_dead_run_is_reported_with_its_item():
 
 
 @pytest.mark.skipif(not isolate.can_fork(), reason="no fork here")
-def test_over_seeds_can_run_its_seeds_isolated():
-    serial = stats.over_seeds(lambda s: _in_process_at_one_thread(s)["loss"], [0, 1, 2])
-    forked = stats.over_seeds(lambda s: _train(s)["loss"], [0, 1, 2], isolated=True)
-    assert forked.values == serial.values and forked.seeds == (0, 1, 2)
-
-
-@pytest.mark.skipif(not isolate.can_fork(), reason="no fork here")
 def test_over_seeds_for_runs_every_key_and_seed_as_one_task_each():
     def fn(key, seed):
         return {"x": key * 10 + seed, "loss": _train(seed)["loss"]}

@@ -100,19 +100,13 @@ def summarise(values: Iterable, seeds: Sequence[int] = (), level: float = 0.95) 
     return Summary(tuple(vals), tuple(int(s) for s in seeds), level)
 
 
-def over_seeds(fn: Callable[[int], float | dict], seeds: Sequence[int], level: float = 0.95, isolated: bool = False):
+def over_seeds(fn: Callable[[int], float | dict], seeds: Sequence[int], level: float = 0.95):
     """Run ``fn(seed)`` for every seed. ``fn`` returns a number or a dict of numbers; the result is a
-    :class:`Summary` or a dict of them (same keys), each remembering the seeds. ``isolated``: each run in a
-    process of its own at one thread, several at a time (:func:`capslib.book.isolate.map_isolated`: ``fn``
-    must depend on its seed alone and change nothing of the caller's)."""
+    :class:`Summary` or a dict of them (same keys), each remembering the seeds."""
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"over_seeds: seeds must be distinct and non-empty, got {seeds}")
-    if isolated:
-        from .isolate import map_isolated
-        runs = map_isolated(fn, seeds)
-    else:
-        runs = [fn(s) for s in seeds]
+    runs = [fn(s) for s in seeds]
     if all(isinstance(r, dict) for r in runs):
         names = list(runs[0])
         if any(list(r) != names for r in runs):

@@ -89,6 +89,15 @@ def margin_loss(
     return (pos + neg).sum(dim=1).mean()
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)``; a matrix times a column (``P = 1``) goes as the column times the matrix, both
+    transposed: the same dot products, equal to rounding, and on 2 cores 3-9 times faster for chapter 2's
+    ``ci`` votes (640 x 288 x 16)."""
+    if b.shape[2] == 1 and a.shape[1] > 1:
+        return torch.bmm(b.transpose(1, 2), a.transpose(1, 2)).transpose(1, 2)
+    return torch.bmm(a, b)
+
+
 class _Bmm(torch.autograd.Function):
     """``torch.bmm`` whose backward pass forms an outer product by broadcasting (see :func:`bmm`)."""
 
@@ -96,7 +105,7 @@ class _Bmm(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b):
-        return torch.bmm(a, b)
+        return _bmm(a, b)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -109,7 +118,7 @@ class _Bmm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:      # g @ b^T, a sum over the P columns of the output
             ga = g * b.transpose(1, 2) if b.shape[2] == 1 else torch.bmm(g, b.transpose(1, 2))
         if ctx.needs_input_grad[1]:      # a^T @ g, a sum over the M rows of the output
-            gb = a.transpose(1, 2) * g if a.shape[1] == 1 else torch.bmm(a.transpose(1, 2), g)
+            gb = a.transpose(1, 2) * g if a.shape[1] == 1 else _bmm(a.transpose(1, 2), g)
         return ga, gb
 
 
@@ -122,7 +131,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     product, which ``torch.bmm``'s backward computes as a matrix product with inner dimension 1;
     here it is a broadcasting multiplication. Every entry of an outer product is a single
     product, so both ways give the same bits (``tests/test_core.py`` checks it; the README lists the
-    chapter executions compared); forward values and the other gradient are ``torch.bmm``'s own.
+    chapter executions compared); forward values and the other gradient are :func:`_bmm`'s.
     FLOP counters (``torch.utils.flop_counter``) no longer count those outer products.
     Measured on 2 cores (AMD EPYC, torch 2.13, with :func:`capslib.book.session.keep_freed_memory`), a
     training step of chapter 5's ``ci`` EM network took 48-54 ms instead of 52-61 ms, and one of
@@ -174,7 +183,7 @@ class _Read(torch.autograd.Function):
     def forward(ctx, a, b, book, x_on_left):
         ctx.save_for_backward(a, b)
         ctx.book, ctx.x_on_left = book, x_on_left
-        return torch.bmm(a, b)
+        return _bmm(a, b)
 
     @staticmethod
     def backward(ctx, g):
@@ -182,7 +191,7 @@ class _Read(torch.autograd.Function):
         task = torch._C._current_graph_task_id()
         if ctx.x_on_left:                  # x @ z: x gets g z^T, z gets x^T g
             ctx.book.append((task, g.transpose(1, 2), b.transpose(1, 2)))
-            return None, torch.bmm(a.transpose(1, 2), g) if ctx.needs_input_grad[1] else None, None, None
+            return None, _bmm(a.transpose(1, 2), g) if ctx.needs_input_grad[1] else None, None, None
         ctx.book.append((task, a, g))      # w @ x: x gets w^T g, w gets g x^T
         return torch.bmm(g, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None, None, None, None
 
@@ -194,13 +203,11 @@ class Reads:
     Each read's gradient for ``x`` is an outer product, and ``x``'s gradient their sum. :func:`bmm` forms
     the terms one by one, each writing a tensor of ``x``'s size; here each read leaves its two factors in a
     book, and the sum is one batched product (inner dimension: the number of reads), formed once when
-    back-propagation reaches ``x``. Values and the factors' gradients are ``torch.bmm``'s; ``x``'s gradient
-    is the same sum in another rounding order (``tests/test_core.py``, ``tests/test_em.py``). Measured on 2
-    cores (Intel Xeon, AVX-512, torch 2.13, freed memory kept, both ways interleaved, medians of 6 rounds of
-    15 steps): a training step of chapter 5's ``ci`` EM network took 34 ms instead of 41 ms; of chapter 2's
-    ``ci`` CapsNet, 47 instead of 51 ms, so :mod:`capslib.routing` keeps :func:`bmm` and its chapters'
-    numbers. Without a graph, or under ``torch.compile`` (whose tracer would not follow the book), the reads
-    are plain :func:`bmm`; under autocast ``x`` is cast once, each factor per read.
+    back-propagation reaches ``x``. Values and the factors' gradients are :func:`bmm`'s; ``x``'s gradient
+    is the same sum in another rounding order (``tests/test_core.py``, ``tests/test_em.py``). Used by
+    :mod:`capslib.em` and :mod:`capslib.routing` (speeds in the README). Without a graph, or under
+    ``torch.compile`` (whose tracer would not follow the book), the reads are plain :func:`bmm`; under
+    autocast ``x`` is cast once, each factor per read.
     """
 
     def __init__(self, x: torch.Tensor):

@@ -72,7 +72,7 @@ profiles.register(
             affine_size=40, transfer_images=250,
             viewpoint_angles=(0, 20, 40, 60), viewpoint_images=500, viewpoint_seeds=3, viewpoint_epochs=10,
             viewpoint_lr=3e-3, viewpoint_mid=40, viewpoint_margin=0.05, viewpoint_train_turn=20,
-            eval_batch=500, calibrate_images=256, **WORLD),
+            eval_batch=50, calibrate_images=256, **WORLD),
     # The paper's network (Sec. 5, Fig. 1): A = B = C = D = 32, K = 3, 3 routing iterations,
     # spread loss with the margin raised linearly from 0.2 to 0.9, Adam; on full MNIST here
     # (smallNORB when its files are present: capslib.data.smallnorb()). EM routing keeps every

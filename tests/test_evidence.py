@@ -116,7 +116,7 @@ def test_summary_matches_scipy_t_interval():
     assert s.mean == pytest.approx(np.mean(vals))
     assert s.sd == pytest.approx(np.std(vals, ddof=1))
     assert (s.lo, s.hi) == (pytest.approx(lo), pytest.approx(hi))
-    assert f"{s:.3f}" == f"{s.mean:.3f} ± {s.half:.3f} (n = 4)"
+    assert f"{s:.3f}" == f"{s.mean:.3f} ± {s.half:.3f} (n = 4, 95% t)"
 
 
 def test_single_run_has_no_interval():
@@ -211,7 +211,7 @@ def test_bibliography_labels_are_author_year():
 def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
     from scipy import stats as sps
 
-    from capslib.book.stats import Equivalence, summarise
+    from capslib.book.stats import Equivalence, signed, summarise
     # the 90 % interval of three seeds: mean ± t(0.95, 2) * se
     d = summarise([-0.002, -0.006, -0.006])
     e = Equivalence(d, 0.01)
@@ -237,11 +237,19 @@ def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
     assert Equivalence(summarise([0.01, -0.01, 0.0]), 0.05).phrase().endswith("(higher in 1 and lower in 1 of 3 seeds)")
     # and as a sentence in the caller's words
     assert Equivalence(tight, 0.002).verdict("A ahead", "B ahead") == \
-        "B ahead, by more than the margin of ±0.2% (higher in 0 of 3 seeds, lower in 3)"
+        "B ahead, by more than the margin of ±0.2% (so in 3 of 3 seeds, the other way in 0)"
     assert straddles.verdict("A ahead", "B ahead", fmt=".2f").startswith(
         "B ahead; whether by more than the margin of ±0.25, these seeds cannot say")
-    assert e.verdict("A", "B") == "equivalent within the margin of ±1.0% (higher in 0 of 3 seeds, lower in 3)"
+    assert e.verdict("A", "B") == "equivalent within the margin of ±1.0% (A in 0 of 3 seeds, B in 3)"
     assert Equivalence(d, 0.005).verdict("A", "B").startswith("neither told apart nor equivalent")
+    # a sign is printed only where the digits shown carry one; an identical difference says so
+    assert (signed(-0.0004), signed(0.0004, "+.3f"), signed(-0.012, ".2f"), signed(-4e-5, ".1%")) == \
+        ("0.000", "0.000", "-0.01", "0.0%")
+    assert signed(-1e-5, ".2e") == "-1.00e-05" and signed(0.012) == "+0.012"
+    assert "-0.000" not in Equivalence(summarise([0.0004, -0.0009, 0.0001]), 0.05).clause("a", "b")
+    same = Equivalence(summarise([0.0, 0.0, 0.0]), 0.01)
+    assert same.clause("detached", "full") == \
+        "gives exactly the same value as full in every seed (detached − full = 0 in all 3 seeds)"
     with pytest.raises(ValueError, match="margin"):
         Equivalence(d, 0.0)
     with pytest.raises(ValueError, match="two seeds"):

@@ -475,3 +475,10 @@ def test_every_row_declared_for_the_paper_scale_column_is_a_row_of_a_committed_c
     assert rows, "chapter 5 declares rows without a paper number"
     for quantity in rows:
         assert f"\n{quantity} " in shown, f"{quantity!r} is no row of a committed comparison table"
+
+
+def test_seed_spread_signs_the_mean_of_a_difference_not_its_spread():
+    from capslib.book.units import seed_spread
+    assert seed_spread([0.001, 0.002, -0.001], "+.4f") == "+0.0007 ± 0.0015"
+    assert seed_spread([0.00001], "+.3f") == "0.000" and seed_spread([], "+.3f") == "not yet run"
+    assert seed_spread([0.1, 0.2], ".2f") == "0.15 ± 0.07"

@@ -2,7 +2,7 @@
 
 A chapter that compares two methods or settings runs each over the same seeds
 (:func:`over_seeds`), shows :func:`table` (mean ± half-width of a 95 % Student-t interval, seed
-count, worst and best seed) and, for two methods, :func:`paired` (the per-seed difference, which
+count, lowest and highest seed) and, for two methods, :func:`paired` (the per-seed difference, which
 removes what the seeds share). A single run's test accuracy comes with :func:`binomial`, the
 sampling error of a test set of that size. :func:`glue_summary` hands any of these to the prose.
 """
@@ -17,6 +17,15 @@ def _t_quantile(level: float, dof: int) -> float:
     from scipy import stats as sps
 
     return float(sps.t.ppf(0.5 + level / 2, dof))
+
+
+def signed(value: float, fmt: str = ".3f") -> str:
+    """``value`` formatted with ``fmt`` and its sign (``+0.012``, ``-0.012``); a value that rounds to zero
+    at ``fmt`` is written without one (``0.000``), since its sign is below the precision shown."""
+    fmt = fmt.lstrip("+")
+    text = format(value, "+" + fmt)
+    mantissa = text.split("e")[0]
+    return text[1:] if not any(ch in "123456789" for ch in mantissa) else text
 
 
 def _finite_floats(values, what: str) -> list[float]:
@@ -81,8 +90,9 @@ class Summary:
         return max(self.values)
 
     def text(self, fmt: str = ".3f") -> str:
-        """``0.912 ± 0.011 (n = 3)``; percent formats (``.1%``) keep the ``%`` on both numbers."""
-        return f"{format(self.mean, fmt)} ± {format(self.half, fmt)} (n = {self.n})"
+        """``0.912 ± 0.011 (n = 3, 95% t)``: the ± is the half-width of the ``level`` Student-t interval; percent
+        formats (``.1%``) keep the ``%`` on both numbers."""
+        return f"{format(self.mean, fmt)} ± {format(self.half, fmt)} (n = {self.n}, {self.level:.0%} t)"
 
     def __format__(self, spec: str) -> str:
         return self.text(spec or ".3f")
@@ -180,7 +190,8 @@ def binomial(p: float, n: int, level: float = 0.95) -> Binomial:
 
 
 def table(summaries: dict, fmt: str = ".3f"):
-    """A DataFrame, one row per summary: mean, ± (95 % t half-width), seeds, worst, best."""
+    """A DataFrame, one row per summary: mean, ± (95 % t half-width), seeds, lowest, highest (which of the two
+    is the worse depends on the quantity)."""
     import pandas as pd
 
     rows = []
@@ -188,7 +199,7 @@ def table(summaries: dict, fmt: str = ".3f"):
         if not isinstance(s, Summary):
             raise TypeError(f"table: {name!r} is {type(s).__name__}, expected a Summary")
         rows.append({"": name, "mean": format(s.mean, fmt), "± (95% CI)": format(s.half, fmt), "seeds": s.n,
-                     "worst": format(s.min, fmt), "best": format(s.max, fmt)})
+                     "lowest": format(s.min, fmt), "highest": format(s.max, fmt)})
     return pd.DataFrame(rows).set_index("")
 
 
@@ -292,7 +303,8 @@ class Equivalence:
 
     def verdict(self, ahead: str, behind: str, fmt: str = ".1%") -> str:
         """The verdict as a sentence in the caller's words, ``ahead`` for a positive difference and ``behind``
-        for a negative one, with the margin (formatted with ``fmt``) and the seeds on each side."""
+        for a negative one, with the margin (formatted with ``fmt``) and the seeds on each side, counted from
+        the side the sentence names (for a verdict that names no side, in both sides' words)."""
         lo, hi = self.tost_interval
         pos, neg = self.signs
         m = f"±{format(self.margin, fmt)}"
@@ -303,7 +315,11 @@ class Equivalence:
                 "small": f"{ahead if self.d.mean > 0 else behind}, by less than the margin of {m}",
                 "equivalent": f"equivalent within the margin of {m}",
                 "unsettled": f"neither told apart nor equivalent within the margin of {m} with these seeds"}[self.kind]
-        return f"{said} (higher in {pos} of {self.d.n} seeds, lower in {neg})"
+        n = self.d.n
+        if self.kind == "equivalent" or self.kind == "unsettled" or self.d.mean == 0:
+            return f"{said} ({ahead} in {pos} of {n} seeds, {behind} in {neg})"
+        agree, other = (pos, neg) if self.d.mean > 0 else (neg, pos)
+        return f"{said} (so in {agree} of {n} seeds, the other way in {other})"
 
     def clause(self, who: str, ref: str, fmt: str = ".3f", ref_words: str | None = None) -> str:
         """``who`` against ``ref`` in words (``ref_words`` in the sentence if given), with the numbers
@@ -311,9 +327,11 @@ class Equivalence:
         lo, hi = self.tost_interval
         pos, neg = self.signs
         n = self.d.n
-        numbers = (f"{who} − {ref}: {format(self.d.mean, '+' + fmt)}, {1 - 2 * self.alpha:.0%} interval "
-                   f"{format(lo, '+' + fmt)} to {format(hi, '+' + fmt)} against a margin of ±{format(self.margin, fmt)}; "
+        numbers = (f"{who} − {ref}: {signed(self.d.mean, fmt)}, {1 - 2 * self.alpha:.0%} interval "
+                   f"{signed(lo, fmt)} to {signed(hi, fmt)} against a margin of ±{format(self.margin, fmt)}; "
                    f"higher in {pos} of {n} seeds, lower in {neg}")
+        if all(v == 0 for v in self.d.values):   # no interval to read: the same value in every seed
+            return f"gives exactly the same value as {ref_words or ref} in every seed ({who} − {ref} = 0 in all {n} seeds)"
         ref = ref_words or ref
         said = {"equivalent": f"is equivalent to {ref} within the margin",
                 "small": f"is {'higher' if self.d.mean > 0 else 'lower'} than {ref}, by less than the margin",

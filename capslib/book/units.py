@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .results import _plain   # tensors and NumPy values to JSON-ready ones
+from .stats import signed
 
 ROOT = Path(__file__).resolve().parents[2]
 # ``$CAPSBOOK_UNITS_RESULTS`` redirects where results are written and read (tests use a temporary folder)
@@ -541,9 +542,10 @@ def seed_spread(values, fmt: str) -> str:
     more; "not yet run" when there is none."""
     if not values:
         return "not yet run"
+    show = (lambda v: signed(v, fmt)) if fmt.startswith("+") else (lambda v: format(v, fmt))
     if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(float(np.mean(values)), fmt)} ± {format(float(np.std(values, ddof=1)), fmt)}"
+        return show(values[0])
+    return f"{show(float(np.mean(values)))} ± {format(float(np.std(values, ddof=1)), fmt.lstrip('+'))}"
 
 
 def built_in_float64(make: Callable):

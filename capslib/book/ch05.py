@@ -326,7 +326,7 @@ def turn_run(seed: int, cfg, sets) -> dict:
 #   for), and "constant" (lambda = 1 in every iteration with the book's normalised cost, the chapter's own
 #   control). Measured: test accuracy and the class layer's assignment entropy after each iteration.
 #
-# Schedule: UNIT_SCHEDULE["epochs"] epochs, not the paper's 50, so that each unit projects within 8
+# Schedule: UNIT_SCHEDULE["epochs"] epochs, not the 50 of the book's paper schedule, so that each unit projects within 8
 # minutes on one H100 at the step bench's rate for this network (``em32``, about 940 images/s); the
 # evaluations after training (about 100,000 forward passes) take about a minute more.
 

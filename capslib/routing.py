@@ -92,12 +92,12 @@ def routing_trace(u_hat: torch.Tensor, iterations: int = 3):
     check_positive_int("iterations", iterations)
     cs, vs = [], []
     with torch.no_grad():
-        reads = Reads(by_parent(u_hat))
+        u = by_parent(u_hat)      # no graph: the plain votes (a Reads would only call the same products)
         b = _zero_logits(u_hat)
         for _ in range(iterations):
             c = softmax_parents(b)
-            v = squash(weighted_sum(c, reads))
-            b = b + agreement(reads, v)
+            v = squash(weighted_sum(c, u))
+            b = b + agreement(u, v)
             cs.append(c.transpose(1, 2).contiguous())
             vs.append(v)
     return cs, vs

@@ -327,11 +327,11 @@ class Equivalence:
         lo, hi = self.tost_interval
         pos, neg = self.signs
         n = self.d.n
+        if all(v == 0 for v in self.d.values):   # no interval to read: the same value in every seed
+            return f"gives exactly the same value as {ref_words or ref} in every seed ({who} − {ref} = 0 in all {n} seeds)"
         numbers = (f"{who} − {ref}: {signed(self.d.mean, fmt)}, {1 - 2 * self.alpha:.0%} interval "
                    f"{signed(lo, fmt)} to {signed(hi, fmt)} against a margin of ±{format(self.margin, fmt)}; "
                    f"higher in {pos} of {n} seeds, lower in {neg}")
-        if all(v == 0 for v in self.d.values):   # no interval to read: the same value in every seed
-            return f"gives exactly the same value as {ref_words or ref} in every seed ({who} − {ref} = 0 in all {n} seeds)"
         ref = ref_words or ref
         said = {"equivalent": f"is equivalent to {ref} within the margin",
                 "small": f"is {'higher' if self.d.mean > 0 else 'lower'} than {ref}, by less than the margin",

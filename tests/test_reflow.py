@@ -273,3 +273,15 @@ def test_a_colour_bar_for_panels_that_end_up_in_rows_apart_goes_under_the_whole_
     width = copy.get_size_inches()[0] * copy.dpi
     first_row = sorted(boxes, key=lambda b: (-b.y1, b.x0))[:3]
     assert sum(b.width for b in first_row) >= 0.55 * width, [b.width for b in first_row]   # the panels fill their row
+
+
+def test_a_legend_label_with_maths_is_wrapped_between_its_formulas_never_inside_one():
+    label = r"vanilla +Q: $H$ = 1.23 bits, mean and $y = r(j)$ over $I(\mathrm{route};\ \mathrm{class})$ here"
+    wrapped = reflow._wrap_label(label, 14)
+    lines = wrapped.split("\n")
+    assert len(lines) > 2 and all(line.count("$") % 2 == 0 for line in lines), lines
+    assert wrapped.replace("\n", " ") == label            # only spaces became line breaks
+    assert "$y = r(j)$" in lines and r"$I(\mathrm{route};\ \mathrm{class})$" in lines
+    # plain labels wrap as before; an unbalanced $ leaves the label whole
+    assert reflow._wrap_label("noise-fed parents of every class", 12) == "noise-fed\nparents of\nevery class"
+    assert reflow._wrap_label("costs $5 and more words than fit", 8) == "costs $5 and more words than fit"

@@ -239,13 +239,29 @@ def _grid_colorbars_below(fig) -> float:
     return added
 
 
-def _wrapped(labels: list[str], fig, fontsize: float, ncols: int = 1) -> list[str]:
-    """Legend labels broken into lines that fit ``ncols`` columns of the figure's width (a label with TeX is
-    left whole: a break could fall inside it)."""
+_KEEP = "\x00"   # stands for a space inside $...$ while a label is wrapped
+
+
+def _wrap_label(label: str, chars: int) -> str:
+    """``label`` broken at its spaces into lines of about ``chars`` characters, never inside ``$...$`` (a label
+    with an odd number of ``$`` is left whole)."""
     import textwrap
 
+    parts = label.split("$")
+    if len(parts) == 1:
+        return "\n".join(textwrap.wrap(label, chars)) or label
+    if len(parts) % 2 == 0:
+        return label
+    guarded = "$".join(p.replace(" ", _KEEP) if k % 2 else p for k, p in enumerate(parts))
+    # no break inside a word or at a hyphen: either could fall inside $...$
+    lines = textwrap.wrap(guarded, chars, break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines).replace(_KEEP, " ") or label
+
+
+def _wrapped(labels: list[str], fig, fontsize: float, ncols: int = 1) -> list[str]:
+    """Legend labels broken into lines that fit ``ncols`` columns of the figure's width (:func:`_wrap_label`)."""
     chars = max(12, int((fig.get_size_inches()[0] / ncols - 0.6) * 72 / (0.52 * fontsize)))
-    return [label if "$" in label else "\n".join(textwrap.wrap(label, chars)) or label for label in labels]
+    return [_wrap_label(label, chars) for label in labels]
 
 
 def _legend_kwargs(fig, legend, ncols: int) -> dict:

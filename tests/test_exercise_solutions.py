@@ -180,3 +180,25 @@ def test_both_normalisations_train_the_same_w_with_one_iteration_as_the_solution
 def capslib_squash(x):
     import capslib
     return capslib.squash(x)
+
+
+def test_the_orphan_parent_takes_more_from_votes_that_agree_with_nobody_as_the_solution_says():
+    """ch2-ex-leaky: on votes like the chapter's toy (20 children agreeing on one parent, 10 on another) plus
+    ten of pure noise, the children that agree send more of their output to the real parents than the noise
+    does; every child starts at J / (J + 1) and none sends all of it. The solution's code, run as written."""
+    import torch.nn.functional as F
+    import capslib
+    label, code = next((lb, c) for _, lb, c in CASES if lb == "ch2-ex-leaky")
+    g = torch.Generator().manual_seed(5)
+    I_toy, J_toy, D_toy = 30, 4, 8
+    toy = 0.35 * torch.randn(1, I_toy, J_toy, D_toy, generator=g)
+    poses = F.normalize(torch.randn(2, D_toy, generator=g), dim=1)
+    toy[0, :20, 0] = poses[0] + 0.15 * torch.randn(20, D_toy, generator=g)
+    toy[0, 20:, 2] = poses[1] + 0.15 * torch.randn(10, D_toy, generator=g)
+    ns = {"toy": toy, "I_toy": I_toy, "J_toy": J_toy, "D_toy": D_toy, "torch": torch, "capslib": capslib}
+    exec(compile(code, label, "exec"), ns)
+    kept = ns["kept"]
+    assert kept.shape == (I_toy + 10,) and bool((kept < 1).all())
+    assert kept[:I_toy].mean() > kept[I_toy:].mean() + 0.03, kept
+    _, c1 = ns["routing_orphan"](ns["votes"], iterations=1)
+    torch.testing.assert_close(c1[0].sum(-1), torch.full((I_toy + 10,), J_toy / (J_toy + 1)))

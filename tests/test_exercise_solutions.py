@@ -202,3 +202,31 @@ def test_the_orphan_parent_takes_more_from_votes_that_agree_with_nobody_as_the_s
     assert kept[:I_toy].mean() > kept[I_toy:].mean() + 0.03, kept
     _, c1 = ns["routing_orphan"](ns["votes"], iterations=1)
     torch.testing.assert_close(c1[0].sum(-1), torch.full((I_toy + 10,), J_toy / (J_toy + 1)))
+
+
+def _chapter2_toy(seed: int):
+    """Votes shaped like chapter 2's toy: 30 children, 4 parents; children 0-19 agree on parent 0, 20-29 on 2."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(seed)
+    toy = 0.35 * torch.randn(1, 30, 4, 8, generator=g)
+    poses = F.normalize(torch.randn(2, 8, generator=g), dim=1)
+    toy[0, :20, 0] = poses[0] + 0.15 * torch.randn(20, 8, generator=g)
+    toy[0, 20:, 2] = poses[1] + 0.15 * torch.randn(10, 8, generator=g)
+    return toy
+
+
+def test_scaled_votes_sharpen_the_couplings_as_the_solution_says():
+    """ch2-ex-scale: small votes leave the couplings near uniform (1/J = 1/4), large ones put most of a child's
+    coupling (here: at least three times the uniform share) on the parent it agrees with, from the first update. The solution's code, run as written on toy votes like the chapter's; what it prints is
+    read back."""
+    from capslib.routing import routing_trace
+    label, code = next((lb, c) for _, lb, c in CASES if lb == "ch2-ex-scale")
+    for seed in (0, 1, 2):
+        toy, printed = _chapter2_toy(seed), []
+        exec(compile(code, label, "exec"), {"toy": toy, "routing_trace": routing_trace,
+                                            "print": lambda *a: printed.append(a)})
+        alphas, means = [a for a, _ in printed], [m for _, m in printed]
+        assert alphas == [0.1, 1, 10] and means == sorted(means), printed
+        assert abs(means[0] - 1 / 4) < 0.02 and means[-1] > 3 / 4, printed
+        after_one_update = routing_trace(10 * toy, 3)[0][1][0, :20, 0].mean().item()
+        assert after_one_update > 3 / 4, after_one_update

@@ -228,6 +228,10 @@ def test_smoke_run_cuts_epochs_and_data_and_keeps_files_apart(monkeypatch):
     assert smoke.epochs == profiles.SMOKE_EPOCHS and smoke.expanded_epochs == profiles.SMOKE_EPOCHS
     assert smoke.conv_channels == full.conv_channels  # the networks stay the profile's
     assert profiles.settings("06_rem", "full").pretrain_epochs == 0  # zero stays zero
+    # the examples a chapter makes itself are cut like the loaded splits (200,000 MultiMNIST pairs at full)
+    assert full.multimnist_train > profiles.SMOKE_SPLITS["train"] and full.multimnist_test > profiles.SMOKE_SPLITS["test"]
+    assert (smoke.multimnist_train, smoke.multimnist_test) == (profiles.SMOKE_SPLITS["train"], profiles.SMOKE_SPLITS["test"])
+    assert smoke.pitfall_train == profiles.SMOKE_SPLITS["train"] and smoke.multimnist_canvas == full.multimnist_canvas
     assert profiles.storage_name("full") == "full-smoke"
     assert train.checkpoint_path("x", profiles.storage_name("full")).parent.name == "full-smoke"
     splits = data.load("embedded", device="cpu")

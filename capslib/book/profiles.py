@@ -98,7 +98,7 @@ CHAPTER_MODULES = {
 
 def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
     """Sizes of ``chapter``'s experiments at ``profile`` (default: :func:`current`); in a smoke
-    run every positive ``*epochs`` knob is cut to ``SMOKE_EPOCHS``."""
+    run the sizes are cut (:func:`_smoke_size`)."""
     profile = profile or current()
     if chapter not in SIZES and chapter in CHAPTER_MODULES:
         import importlib
@@ -109,9 +109,22 @@ def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
     if profile == "full" and paper_schedule():
         sizes.update(_paper_sizes(chapter, SIZES[chapter]))
     if smoke():
-        sizes = {k: (min(v, SMOKE_EPOCHS) if k.endswith("epochs") and isinstance(v, int) and v > 0 else v)
-                 for k, v in sizes.items()}
+        sizes = {k: _smoke_size(k, v) for k, v in sizes.items()}
     return SimpleNamespace(profile=profile, **sizes)
+
+
+def _smoke_size(key: str, value):
+    """A setting in a smoke run: every positive ``*epochs`` cut to ``SMOKE_EPOCHS``, and every count of
+    examples a chapter makes itself (``*_train``, ``*_test``: MultiMNIST pairs, a small world's objects) to
+    at most ``SMOKE_SPLITS``' train and test sizes, as the loaded splits are."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return value
+    if key.endswith("epochs"):
+        return min(value, SMOKE_EPOCHS)
+    for suffix, split in (("_train", "train"), ("_test", "test")):
+        if key.endswith(suffix):
+            return min(value, SMOKE_SPLITS[split])
+    return value
 
 
 def register(chapter: str, ci: dict, full: dict, paper: dict | None = None) -> None:

@@ -219,7 +219,7 @@ def test_affnist_reads_files_in_order_with_orientation(tmp_path, monkeypatch):
 
 def test_smoke_run_cuts_epochs_and_data_and_keeps_files_apart(monkeypatch):
     from capslib import train
-    from capslib.book import profiles, results
+    from capslib.book import profiles
     monkeypatch.delenv("CAPSBOOK_SMOKE", raising=False)
     full = profiles.settings("02_dynamic_routing", "full")
     assert full.epochs == 50 and profiles.storage_name("full") == "full"

@@ -12,10 +12,7 @@ end to end (``make smoke``) before hours are spent on it; its numbers mean nothi
 """
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
-
-import torch
 
 from ..engine.switches import (PROFILES, SMOKE_EPOCHS, SMOKE_SPLITS, compile_requested, current,  # noqa: F401
                         paper_schedule, progress_bars, smoke, storage_name)

@@ -253,18 +253,16 @@ _TORCHVISION_HOSTS = {"fashion_mnist": "fashion-mnist.s3-website.eu-central-1.am
 
 def torchvision_set(name: str, seed: int = 0, val: int = 5000) -> dict[str, Split]:
     """Fashion-MNIST, CIFAR-10 or SVHN from ``data/`` through torchvision (downloaded where reachable)."""
-    import torchvision
-
+    try:
+        import torchvision
+    except ImportError as err:    # not in the book's lock file
+        raise DatasetMissing(f"{name} is read through torchvision, which is not installed here") from err
     cls = getattr(torchvision.datasets, _TORCHVISION[name])
     can_download = _internet(_TORCHVISION_HOSTS[name])
     root = str(data_dir() / _TORCHVISION[name])
     try:
-        if name == "svhn":
-            train = cls(root, split="train", download=can_download)
-            test = cls(root, split="test", download=can_download)
-        else:
-            train = cls(root, train=True, download=can_download)
-            test = cls(root, train=False, download=can_download)
+        parts = (dict(split="train"), dict(split="test")) if name == "svhn" else (dict(train=True), dict(train=False))
+        train, test = (cls(root, download=can_download, **part) for part in parts)
     except (RuntimeError, OSError) as err:  # not there, or the download failed (URLError is an OSError)
         raise DatasetMissing(
             f"{name} is not in {root} and the internet is not reachable from here; "

@@ -249,6 +249,9 @@ def test_smoke_runner_sorts_failed_claims_from_crashes(tmp_path, monkeypatch):
         nbformat.v4.new_code_cell("assert 1 + 1 == 3, 'a claim a one-epoch run cannot meet'"),
         nbformat.v4.new_code_cell("raise KeyError('missing_knob')"),
         nbformat.v4.new_code_cell("print('still runs after errors')"),
+        nbformat.v4.new_code_cell("from capslib.book import claims\nclaims.check('toy accuracy', 0.1, at_least=0.9)\n"
+                                  "after_the_claim = 1"),
+        nbformat.v4.new_code_cell("print(after_the_claim)"),
     ])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "toy.ipynb"
@@ -256,8 +259,9 @@ def test_smoke_runner_sorts_failed_claims_from_crashes(tmp_path, monkeypatch):
     monkeypatch.setenv("CAPSBOOK_PROFILE", "ci")  # run_notebook sets both variables for the kernel
     monkeypatch.setenv("CAPSBOOK_SMOKE", "0")
     report = smoke.run_notebook(path, tmp_path / "out", "full", timeout=60)
-    assert len(report["claims"]) == 1 and "cell 1: AssertionError" in report["claims"][0]
-    assert len(report["crashes"]) == 1 and "cell 2: KeyError" in report["crashes"][0]
+    assert len(report["claims"]) == 2 and "cell 1: AssertionError" in report["claims"][0]
+    assert report["claims"][1] == "claim 'toy accuracy': 0.1 is not >= 0.9"
+    assert len(report["crashes"]) == 1 and "cell 2: KeyError" in report["crashes"][0]   # not a NameError in cell 5
     done = nbformat.read(tmp_path / "out" / "toy.ipynb", as_version=4)
     assert done.cells[0].outputs[0]["text"].split() == ["1", "full"]
     assert "still runs after errors" in done.cells[3].outputs[0]["text"]
@@ -523,3 +527,13 @@ def test_correct_marks_each_example_and_evaluate_is_its_mean():
     assert train.evaluate(net, d, batch_size=10) == int(right.sum()) / 37
     with pytest.raises(TypeError, match="Split"):
         train.correct(net, d.x)
+
+
+def test_a_torchvision_dataset_without_torchvision_is_a_missing_dataset(monkeypatch):
+    """Chapter 3's `full` profile tries CIFAR-10 and skips it on DatasetMissing; without torchvision (not in
+    the lock file) the load must say so as that error, not as an ImportError that stops the chapter."""
+    import sys
+    from capslib.datasets import torchvision_set
+    monkeypatch.setitem(sys.modules, "torchvision", None)      # import torchvision now raises ImportError
+    with pytest.raises(data.DatasetMissing, match="torchvision"):
+        torchvision_set("cifar10")

@@ -6,8 +6,9 @@ results under ``<profile>-smoke``. The executed copies go to ``_build/smoke/<pro
 committed notebooks are not touched). Every cell runs even after an error, and the errors are
 sorted into two kinds:
 
-- ``AssertionError``: a claim of the chapter that a one-epoch run cannot meet (an accuracy
-  floor, say). Listed, expected, not a failure.
+- a claim of the chapter that a one-epoch run cannot meet (an accuracy floor, say), or a bare
+  ``AssertionError``. Listed, expected, not a failure. ``claims.check`` only logs in a smoke run (as in a
+  spread run), so the rest of the claim's cell still runs.
 - anything else (a shape mismatch, a missing key, a dtype clash, running out of memory): the
   profile would crash. Listed, and the command exits with status 1.
 
@@ -36,7 +37,14 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
 
     from .execute import client as notebook_client, environment
 
-    env = environment(profile, CAPSBOOK_SMOKE="1")  # for the kernel only
+    from ..book.claims import LOG_ENV, read_log
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / f"{path.stem}.claims.jsonl"
+    log.unlink(missing_ok=True)
+    # claims.check logs instead of raising (as in a spread run), so a claim a one-epoch run cannot meet does not
+    # stop the rest of its cell, whose names later cells read
+    env = environment(profile, CAPSBOOK_SMOKE="1", **{LOG_ENV: str(log)})  # for the kernel only
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     client = notebook_client(nb, path, timeout=timeout, allow_errors=True)
@@ -54,7 +62,9 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
                 continue
             line = f"cell {index}: {output['ename']}: {output['evalue'][:300]}"
             (claims if output["ename"] == "AssertionError" else crashes).append(line)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    words = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
+    claims += [f"claim {c['name']!r}: {c['value']:.6g} is not {words[c['bound']]} {c['limit']:g}"
+               for c in read_log(log) if not c["holds"]]
     nbformat.write(nb, out_dir / path.name)
     return {"seconds": seconds, "claims": claims, "crashes": crashes}
 

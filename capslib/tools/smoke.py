@@ -44,7 +44,9 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
     log.unlink(missing_ok=True)
     # claims.check logs instead of raising (as in a spread run), so a claim a one-epoch run cannot meet does not
     # stop the rest of its cell, whose names later cells read
-    env = environment(profile, CAPSBOOK_SMOKE="1", **{LOG_ENV: str(log)})  # for the kernel only
+    # the players' frames and phone drawings of these copies stay out of the book's tracked folder
+    env = environment(profile, CAPSBOOK_SMOKE="1", CAPSBOOK_FRAMES_DIR=str(out_dir / "_static" / "frames"),
+                      CAPSBOOK_PHONE_FIGURES="0", **{LOG_ENV: str(log)})  # for the kernel only
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     client = notebook_client(nb, path, timeout=timeout, allow_errors=True)

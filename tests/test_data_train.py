@@ -260,7 +260,7 @@ def test_smoke_runner_sorts_failed_claims_from_crashes(tmp_path, monkeypatch):
     monkeypatch.setenv("CAPSBOOK_SMOKE", "0")
     report = smoke.run_notebook(path, tmp_path / "out", "full", timeout=60)
     assert len(report["claims"]) == 2 and "cell 1: AssertionError" in report["claims"][0]
-    assert report["claims"][1] == "claim 'toy accuracy': 0.1 is not >= 0.9"
+    assert report["claims"][1] == "claim 'toy accuracy' does not hold: 0.1 is not >= 0.9"
     assert len(report["crashes"]) == 1 and "cell 2: KeyError" in report["crashes"][0]   # not a NameError in cell 5
     done = nbformat.read(tmp_path / "out" / "toy.ipynb", as_version=4)
     assert done.cells[0].outputs[0]["text"].split() == ["1", "full"]

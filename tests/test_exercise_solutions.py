@@ -158,11 +158,12 @@ def test_both_normalisations_train_the_same_w_with_one_iteration_as_the_solution
     """ch7-ex-inputs: with W scaled by a = I/J, the learning rate by a^2 and the l2 weight by 1/a^2, training
     with sum_i c_ij = 1 is a times training with sum_j c_ij = 1 when routing runs one iteration; the solution
     says the reconstruction curves then coincide. Its code, on a small random problem."""
+    import capslib
     from capslib import poe_models
     label, code = next((lb, c) for _, lb, c in CASES if lb == "ch7-ex-inputs")
     g = torch.Generator().manual_seed(3)
     I, J, D_in, D_out = 12, 3, 4, 5
-    X_train = capslib_squash(torch.randn(64, I, D_in, generator=g))
+    X_train = capslib.squash(torch.randn(64, I, D_in, generator=g))
     W = torch.zeros(I, J, D_out, D_in)
     cfg = types.SimpleNamespace(cd_lr=0.05, cd_l2=1e-3, init_std=0.1, cd_epochs=3, cd_batch=16, cd_momentum=0.5,
                                 cd_decay=0.9)
@@ -175,11 +176,6 @@ def test_both_normalisations_train_the_same_w_with_one_iteration_as_the_solution
     torch.testing.assert_close(torch.tensor(inp["weight_norm"]), a * torch.tensor(out["weight_norm"]),
                                rtol=1e-5, atol=1e-7)
     assert out["weight_norm"][-1] != out["weight_norm"][0]      # W did train
-
-
-def capslib_squash(x):
-    import capslib
-    return capslib.squash(x)
 
 
 def test_the_orphan_parent_takes_more_from_votes_that_agree_with_nobody_as_the_solution_says():

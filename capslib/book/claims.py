@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 BOUNDS = ("above", "at_least", "below", "at_most")
+SYMBOLS = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
 LOG_ENV = "CAPSBOOK_CLAIMS_LOG"
 
 
@@ -72,9 +73,13 @@ def check(name: str, value, *, above=None, at_least=None, below=None, at_most=No
             f.write(json.dumps({"name": name, "value": v, "bound": bound, "limit": limit, "holds": ok}) + "\n")
         return v
     if not ok:
-        words = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}[bound]
-        raise AssertionError(f"claim {name!r} does not hold: {v:.6g} is not {words} {limit:g}")
+        raise AssertionError(not_met(name, v, bound, limit))
     return v
+
+
+def not_met(name: str, value: float, bound: str, limit: float) -> str:
+    """What a claim that does not hold says (the message of :func:`check`'s ``AssertionError``)."""
+    return f"claim {name!r} does not hold: {value:.6g} is not {SYMBOLS[bound]} {limit:g}"
 
 
 def read_log(path: str | Path) -> list[dict]:

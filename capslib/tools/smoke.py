@@ -35,16 +35,15 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
     """Execute one notebook in a smoke run; returns its seconds and errors by kind."""
     import nbformat
 
+    from ..book.claims import LOG_ENV, not_met, read_log
     from .execute import client as notebook_client, environment
-
-    from ..book.claims import LOG_ENV, read_log
 
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / f"{path.stem}.claims.jsonl"
     log.unlink(missing_ok=True)
     # claims.check logs instead of raising (as in a spread run), so a claim a one-epoch run cannot meet does not
-    # stop the rest of its cell, whose names later cells read
-    # the players' frames and phone drawings of these copies stay out of the book's tracked folder
+    # stop the rest of its cell, whose names later cells read; the players' frames and phone drawings of these
+    # copies stay out of the book's tracked folder
     env = environment(profile, CAPSBOOK_SMOKE="1", CAPSBOOK_FRAMES_DIR=str(out_dir / "_static" / "frames"),
                       CAPSBOOK_PHONE_FIGURES="0", **{LOG_ENV: str(log)})  # for the kernel only
     nb = nbformat.read(path, as_version=4)
@@ -64,9 +63,7 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
                 continue
             line = f"cell {index}: {output['ename']}: {output['evalue'][:300]}"
             (claims if output["ename"] == "AssertionError" else crashes).append(line)
-    words = {"above": ">", "at_least": ">=", "below": "<", "at_most": "<="}
-    claims += [f"claim {c['name']!r}: {c['value']:.6g} is not {words[c['bound']]} {c['limit']:g}"
-               for c in read_log(log) if not c["holds"]]
+    claims += [not_met(c["name"], c["value"], c["bound"], c["limit"]) for c in read_log(log) if not c["holds"]]
     nbformat.write(nb, out_dir / path.name)
     return {"seconds": seconds, "claims": claims, "crashes": crashes}
 

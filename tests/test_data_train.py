@@ -155,6 +155,49 @@ def test_results_record_roundtrip(tmp_path, monkeypatch):
     assert results.load("99_test")["metrics"]["acc"] == 0.5
 
 
+def test_a_recorded_result_says_which_version_of_its_chapter_made_it(tmp_path, monkeypatch):
+    import subprocess
+
+    import nbformat
+
+    (tmp_path / "book").mkdir()
+    nb_path = tmp_path / "book" / "98_test.ipynb"
+
+    def write(code):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_markdown_cell("text"), nbformat.v4.new_code_cell(code)]
+        nbformat.write(nb, nb_path)
+
+    write("x = 1")
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path / "results")
+    capslib.book.setup(quiet=True)
+    payload = json.loads(results.record("98_test", {"acc": 0.5}).read_text())
+    assert payload["code_digest"] == results.code_digest(nb_path)
+    assert results.code_status(payload) == "current"
+    write("x = 2")                               # a code cell changed: the run is of an older version
+    assert results.code_status(payload) == "older"
+    nb = nbformat.read(nb_path, as_version=4)    # a markdown cell changed: the same experiment
+    nb.cells[0].source = "other text"
+    nbformat.write(nb, nb_path)
+    assert results.code_status(payload) == "older"
+    write("x = 1")
+    assert results.code_status(payload) == "current"
+    # a payload from before results carried a digest: the notebook as committed at its commit stands in
+    legacy = {k: v for k, v in payload.items() if k != "code_digest"}
+    assert results.code_status({**legacy, "commit": "unknown"}) == "unknown"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "book"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    legacy["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      check=True).stdout.strip()
+    assert results.code_status(legacy) == "same as at its commit"
+    write("x = 3")
+    assert results.code_status(legacy) == "changed since"
+    assert set(results.CODE_STATUS) >= {"current", "older", "changed since", "same as at its commit", "unknown"}
+
+
 def _write_norb(path, array, magic):
     import struct
     dims = list(array.shape) + [1] * max(0, 3 - array.ndim)

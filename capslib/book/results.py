@@ -1,10 +1,13 @@
 """Headline numbers of each chapter, written to ``book/results/<profile>/<chapter>.json``.
 
 ``ci`` results are git-ignored; ``full`` results are committed. Each file holds
-the metrics with the device, torch version, commit and wall time that made them.
+the metrics with the device, torch version, commit and wall time that made them, and the digest of
+the chapter's code cells it was made with (:func:`code_digest`), so that a page can tell a number of the
+chapter as it stands from one made by an older version of it (:func:`code_status`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -28,6 +31,69 @@ def _commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def code_digest(nb_path: Path) -> str:
+    """A digest of a notebook's code cells: the version of the experiments its numbers come from (the
+    spread of the claims keys its runs by it too)."""
+    import nbformat
+
+    cells = nbformat.read(nb_path, as_version=4).cells
+    return _digest_of(cells)
+
+
+def _digest_of(cells) -> str:
+    code = "\n\n".join(c.source for c in cells if c.cell_type == "code")
+    return hashlib.sha1(code.encode()).hexdigest()[:12]
+
+
+def _notebook(chapter: str) -> Path:
+    return ROOT / "book" / f"{chapter}.ipynb"
+
+
+def digest_at_commit(commit: str, nb: Path) -> str | None:
+    """:func:`code_digest` of the notebook as committed at ``commit`` (a revision git names); None without git
+    or that revision."""
+    import nbformat
+
+    if not commit or commit == "unknown":
+        return None
+    try:
+        shown = subprocess.run(["git", "show", f"{commit}:{nb.relative_to(ROOT).as_posix()}"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if shown.returncode != 0:
+        return None
+    return _digest_of(nbformat.reads(shown.stdout, as_version=4).cells)
+
+
+CODE_STATUS = {
+    "current": "made by the chapter's code cells as they stand",
+    "older": "made by an older version of the chapter's code",
+    "changed since": "recorded before results carried their code's digest; the chapter's code has changed "
+                     "since the commit it was recorded at",
+    "same as at its commit": "recorded before results carried their code's digest; the chapter's code is the "
+                             "same as at the commit it was recorded at (edits not committed then are not seen)",
+    "unknown": "no digest, and no commit git can show here",
+}
+
+
+def code_status(payload: dict) -> str:
+    """Which version of its chapter made a recorded payload, a key of :data:`CODE_STATUS`: its digest against
+    the notebook's code cells as they stand; for a payload recorded before payloads carried a digest, the
+    notebook as committed at the payload's commit against them (a run of edits not yet committed reads as
+    "changed since" though its code may be the present one)."""
+    nb = _notebook(payload["chapter"])
+    if not nb.exists():
+        return "unknown"
+    now = code_digest(nb)
+    if "code_digest" in payload:
+        return "current" if payload["code_digest"] == now else "older"
+    then = digest_at_commit(str(payload.get("commit", "")), nb)
+    if then is None:
+        return "unknown"
+    return "same as at its commit" if then == now else "changed since"
 
 
 def _plain(value):
@@ -66,6 +132,8 @@ def record(chapter: str, metrics: dict, profile: str | None = None) -> Path:
         "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
         "metrics": _plain(metrics),
     }
+    if _notebook(chapter).exists():        # the notebook being executed: its code cells as they run
+        payload["code_digest"] = code_digest(_notebook(chapter))
     path = RESULTS_DIR / profile / f"{chapter}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")

@@ -99,12 +99,11 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell
 
 
 def source_digest(nb_path: Path) -> str:
-    """A digest of a chapter's code cells: the version of the experiment a measurement belongs to."""
-    import nbformat
+    """A digest of a chapter's code cells: the version of the experiment a measurement belongs to (the
+    digest a chapter's recorded results carry)."""
+    from ..book.results import code_digest
 
-    cells = nbformat.read(nb_path, as_version=4).cells
-    code = "\n\n".join(c.source for c in cells if c.cell_type == "code")
-    return hashlib.sha1(code.encode()).hexdigest()[:12]
+    return code_digest(nb_path)
 
 
 def notebook_claims(notebooks: list[Path] | None = None) -> dict[str, dict]:

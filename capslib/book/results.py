@@ -68,14 +68,12 @@ def digest_at_commit(commit: str, nb: Path) -> str | None:
     return _digest_of(nbformat.reads(shown.stdout, as_version=4).cells)
 
 
-CODE_STATUS = {
-    "current": "made by the chapter's code cells as they stand",
-    "older": "made by an older version of the chapter's code",
-    "changed since": "recorded before results carried their code's digest; the chapter's code has changed "
-                     "since the commit it was recorded at",
-    "same as at its commit": "recorded before results carried their code's digest; the chapter's code is the "
-                             "same as at the commit it was recorded at (edits not committed then are not seen)",
-    "unknown": "no digest, and no commit git can show here",
+CODE_STATUS = {   # key -> how a page says which version of its chapter made a run ("run <day> on <machine> ...")
+    "current": "by the chapter's code as it stands",
+    "older": "by an older version of the chapter",
+    "changed since": "at a commit since which the chapter's code has changed",
+    "same as at its commit": "at a commit whose code of the chapter is the present one",
+    "unknown": "by a version of the chapter not known here",
 }
 
 

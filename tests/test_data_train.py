@@ -276,6 +276,17 @@ def test_smoke_run_cuts_epochs_and_data_and_keeps_files_apart(monkeypatch):
     assert (smoke.multimnist_train, smoke.multimnist_test) == (profiles.SMOKE_SPLITS["train"], profiles.SMOKE_SPLITS["test"])
     assert smoke.pitfall_train == profiles.SMOKE_SPLITS["train"] and smoke.multimnist_canvas == full.multimnist_canvas
     assert profiles.storage_name("full") == "full-smoke"
+    # a chapter's own further cuts: min(value, cut), None (all) counting as more than any cut
+    em_smoke = profiles.settings("05_em_routing", "full")
+    em_full = profiles.SIZES["05_em_routing"]["full"]
+    assert em_full["compare_subset"] is None and em_full["compare_seeds"] == 3
+    assert (em_smoke.compare_subset, em_smoke.compare_seeds, em_smoke.viewpoint_seeds) == (64, 2, 2)
+    assert em_smoke.A == em_full["A"] == 32                   # the paper's network still
+    assert profiles.settings("05_em_routing", "ci").compare_subset == 64
+    with pytest.raises(KeyError, match="smoke keys"):
+        profiles.register("99_x", ci={"n": 5}, full={"n": 9}, smoke={"m": 1})
+    with pytest.raises(ValueError, match="positive ints"):
+        profiles.register("99_x", ci={"n": 5}, full={"n": 9}, smoke={"n": 0})
     assert train.checkpoint_path("x", profiles.storage_name("full")).parent.name == "full-smoke"
     splits = data.load("embedded", device="cpu")
     assert {k: len(v) for k, v in splits.items()} == profiles.SMOKE_SPLITS

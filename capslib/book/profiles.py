@@ -107,6 +107,8 @@ def settings(chapter: str, profile: str | None = None) -> SimpleNamespace:
         sizes.update(_paper_sizes(chapter, SIZES[chapter]))
     if smoke():
         sizes = {k: _smoke_size(k, v) for k, v in sizes.items()}
+        for k, cut in SIZES[chapter].get("smoke", {}).items():   # the chapter's own further cuts
+            sizes[k] = cut if sizes[k] is None else min(sizes[k], cut)
     return SimpleNamespace(profile=profile, **sizes)
 
 
@@ -124,11 +126,19 @@ def _smoke_size(key: str, value):
     return value
 
 
-def register(chapter: str, ci: dict, full: dict, paper: dict | None = None) -> None:
+def register(chapter: str, ci: dict, full: dict, paper: dict | None = None, smoke: dict | None = None) -> None:
     """Add a chapter's sizes (used by chapter modules that keep their sizes beside their code);
-    ``paper``: the keys of ``full`` that ``$CAPSBOOK_PAPER_SCHEDULE`` changes."""
-    entry = {"ci": dict(ci), "full": dict(full), "paper": dict(paper or {})}
+    ``paper``: the keys of ``full`` that ``$CAPSBOOK_PAPER_SCHEDULE`` changes; ``smoke``: counts (of runs,
+    of images) that a smoke run cuts further than :func:`_smoke_size` does, where the chapter's networks are
+    slow even on a few hundred images (each applies as ``min(value, cut)``, ``None`` counting as all)."""
+    entry = {"ci": dict(ci), "full": dict(full), "paper": dict(paper or {}), "smoke": dict(smoke or {})}
     _paper_sizes(chapter, entry)
+    unknown = sorted(set(entry["smoke"]) - (set(entry["full"]) & set(entry["ci"])))
+    if unknown:
+        raise KeyError(f"{chapter}: smoke keys {unknown} are not keys of both profiles")
+    bad = sorted(k for k, v in entry["smoke"].items() if not (isinstance(v, int) and not isinstance(v, bool) and v > 0))
+    if bad:
+        raise ValueError(f"{chapter}: smoke cuts must be positive ints; {bad} are not")
     SIZES[chapter] = entry
 
 

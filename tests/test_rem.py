@@ -453,7 +453,7 @@ def test_world_compare_branches_from_one_start_at_matched_sparsity():
     from capslib.book import ch06
 
     S = SimpleNamespace(**ch06.WORLD)
-    S.world_train, S.world_val, S.world_test, S.world_epochs, S.world_pretrain = 256, 128, 128, 3, 1
+    S.world_train, S.world_val, S.world_test, S.world_epochs, S.world_pretrain_epochs = 256, 128, 128, 3, 1
     S.lobster_decay = 0.99
     splits = ch06.world_splits(S)
     assert [len(splits[k]) for k in ("train", "val", "test")] == [256, 128, 128]

@@ -23,12 +23,12 @@ from ..rem import FCOutput, last_couplings, level_sweep, margin_loss_fn, predict
 
 # The small world where couplings leave 1/J (world_compare), the same at every profile (seconds on a
 # CPU): chapter 4's part-whole world (parts, wholes, pose dimension, pose noise SD, pose length), its
-# training, validation and test examples, epochs (the first `world_pretrain` a shared start, as in the
+# training, validation and test examples, epochs (the first `world_pretrain_epochs` a shared start, as in the
 # MNIST run), batch, Adam's learning rate, LOBSTER's lambda, tolerance and search steps (the `ci` MNIST
 # run's: with these sizes the pruning epochs take about as many steps as there), seeds, the levels K measured, and the margin of
 # practical equivalence of two methods' entropies in bits, declared before the runs.
 WORLD = dict(world_parts=8, world_wholes=4, world_dim=4, world_noise=1.0, world_scale=5.0, world_train=1500,
-             world_val=500, world_test=1000, world_epochs=8, world_pretrain=4, world_batch=64, world_lr=0.01,
+             world_val=500, world_test=1000, world_epochs=8, world_pretrain_epochs=4, world_batch=64, world_lr=0.01,
              world_lambda=5e-3, world_tolerance=0.02, world_search_steps=7, world_seeds=5, world_levels=(5, 7, 11), world_margin=0.25)
 
 profiles.register(
@@ -107,8 +107,9 @@ def compare_methods(seed: int, S, train_split, val, test, *, track: bool = False
     threshold; ``report_val`` also scores it after every epoch of every run (``history["val_acc"]``).
 
     Returns ``{"seed", "nets": {method: model}, "params": {method: pruned weights or None},
-    "history": {"start", method: history}, "seconds": {method: wall seconds}}`` (methods:
-    :data:`METHODS`; the vanilla history continues the start's, so it holds all ``S.epochs``).
+    "history": {"start", method: history}, "seconds": {method: wall seconds}, "start": the shared start's
+    state dict}`` (methods: :data:`METHODS`; the vanilla history continues the start's, so it holds all
+    ``S.epochs``; with no pretraining epochs, as at ``full``, the start is the initial weights).
     """
     import copy
     import time
@@ -177,7 +178,7 @@ def compare_methods(seed: int, S, train_split, val, test, *, track: bool = False
                                   on_epoch_end=tracker(), desc=f"SNIP (seed {seed})", **fit_args)
     nets[METHODS[3]], params[METHODS[3]] = snip_net, snip_params
     secs[METHODS[3]] = time.perf_counter() - t0
-    return {"seed": seed, "nets": nets, "params": params, "history": hist, "seconds": secs}
+    return {"seed": seed, "nets": nets, "params": params, "history": hist, "seconds": secs, "start": shared_start}
 
 
 # ----------------------------------------------------------------------------- callbacks
@@ -713,7 +714,7 @@ def world_measure(net: nn.Module, test, levels: Sequence[int]) -> dict:
 
 def world_compare(seed: int, S, splits: dict) -> dict:
     """Chapter 6's comparison in the part-whole world for one seed: a shared start of
-    ``S.world_pretrain`` epochs, then vanilla, REM (LOBSTER with the MNIST run's gate and lambda),
+    ``S.world_pretrain_epochs`` epochs, then vanilla, REM (LOBSTER with the MNIST run's gate and lambda),
     MP (magnitude pruning to REM's sparsity after each epoch) and weight decay (LOBSTER's shrinkage
     without its gate, at the same sparsities), each for the remaining epochs; the seed fixes the
     initial weights and the minibatch order. No checkpoints: a run takes about a second.
@@ -725,11 +726,11 @@ def world_compare(seed: int, S, splits: dict) -> dict:
     from ..pruning import sparsity as _sparsity
 
     kw = dict(batch_size=S.world_batch, lr=S.world_lr, seed=seed, progress=False, predict=predict_lengths)
-    rest = S.world_epochs - S.world_pretrain
+    rest = S.world_epochs - S.world_pretrain_epochs
     from .ch04 import PartWholeCaps
 
     start = PartWholeCaps(S.world_parts, S.world_wholes, S.world_dim, seed=seed)
-    _train.fit(start, splits["train"], margin_loss_fn, epochs=S.world_pretrain, **kw)
+    _train.fit(start, splits["train"], margin_loss_fn, epochs=S.world_pretrain_epochs, **kw)
     out = {}
 
     def branch(method, pruner_for=None):

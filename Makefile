@@ -9,7 +9,7 @@
 #   make bundle     dist/offline: wheels, full MNIST, the book and run.sh for a GPU node without internet
 #                   (PYTHON_VERSION=3.12 for the node's Python); make test-bundle installs and runs it here
 #   make bench      training speed of each chapter's full model on this machine (images/s, TFLOP/s)
-#   make smoke      the full profile's code paths, 1 epoch and a few hundred images (copies in _build/smoke)
+#   make smoke      the full profile's code paths, 2 epochs and a few hundred images (copies in _build/smoke)
 #   make assignments  per otter-grader master in book/assignments/: the student notebook and the autograder zip
 #   make book-student the HTML book without exercise solutions (_build/student/_build/html)
 #   make ta-export  the hand-graded answers of a class's submissions as HTML pages for TAs (_build/ta)

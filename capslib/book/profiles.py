@@ -6,7 +6,7 @@ the full dataset, on a GPU. The default is ``full`` when CUDA is available and
 ``ci`` otherwise. Every experiment reads its sizes from :func:`settings`.
 
 ``CAPSBOOK_SMOKE=1`` shrinks any profile to a smoke test: the same networks, at most
-``SMOKE_EPOCHS`` epoch per training and at most ``SMOKE_SPLITS`` images per split, with
+``SMOKE_EPOCHS`` epochs per training and at most ``SMOKE_SPLITS`` images per split, with
 checkpoints and results kept apart (``<profile>-smoke``). It checks that a profile runs
 end to end (``make smoke``) before hours are spent on it; its numbers mean nothing.
 """

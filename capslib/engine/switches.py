@@ -3,7 +3,7 @@ progress bars, ``torch.compile``, where a run keeps its checkpoints. The book's 
 in :mod:`capslib.book.profiles`, which reads the same switches.
 
 ``CAPSBOOK_PROFILE=ci|full`` (default ``full`` when CUDA is available, else ``ci``);
-``CAPSBOOK_SMOKE=1`` shrinks any profile to a smoke test (at most ``SMOKE_EPOCHS`` epoch per
+``CAPSBOOK_SMOKE=1`` shrinks any profile to a smoke test (at most ``SMOKE_EPOCHS`` epochs per
 training, at most ``SMOKE_SPLITS`` images per split, files kept apart under ``<profile>-smoke``).
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ import time
 import torch
 
 PROFILES = ("ci", "full")
-SMOKE_EPOCHS = 1
+# two epochs, so that what a chapter reads between epochs (a trend, a first-to-last change, a path of
+# points) has a before and an after in a smoke run too
+SMOKE_EPOCHS = 2
 SMOKE_SPLITS = {"train": 512, "val": 128, "test": 256}
 
 

@@ -1,12 +1,12 @@
 """``python -m capslib.tools.smoke [--profile full] [notebook ...]``: does a profile run end to end?
 
 Executes the chapters with ``CAPSBOOK_SMOKE=1`` (see :mod:`capslib.book.profiles`): the profile's
-networks and code paths, but at most one epoch and a few hundred images, checkpoints and
+networks and code paths, but at most two epochs and a few hundred images, checkpoints and
 results under ``<profile>-smoke``. The executed copies go to ``_build/smoke/<profile>/`` (the
 committed notebooks are not touched). Every cell runs even after an error, and the errors are
 sorted into two kinds:
 
-- a claim of the chapter that a one-epoch run cannot meet (an accuracy floor, say), or a bare
+- a claim of the chapter that a two-epoch run cannot meet (an accuracy floor, say), or a bare
   ``AssertionError``. Listed, expected, not a failure. ``claims.check`` only logs in a smoke run (as in a
   spread run), so the rest of the claim's cell still runs.
 - anything else (a shape mismatch, a missing key, a dtype clash, running out of memory): the
@@ -41,7 +41,7 @@ def run_notebook(path: Path, out_dir: Path, profile: str, timeout: int | None = 
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / f"{path.stem}.claims.jsonl"
     log.unlink(missing_ok=True)
-    # claims.check logs instead of raising (as in a spread run), so a claim a one-epoch run cannot meet does not
+    # claims.check logs instead of raising (as in a spread run), so a claim a two-epoch run cannot meet does not
     # stop the rest of its cell, whose names later cells read; the players' frames and phone drawings of these
     # copies stay out of the book's tracked folder
     env = environment(profile, CAPSBOOK_SMOKE="1", CAPSBOOK_FRAMES_DIR=str(out_dir / "_static" / "frames"),

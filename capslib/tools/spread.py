@@ -279,14 +279,12 @@ def restamp(path: Path, notebooks: list[Path], why: str, previous: dict[str, str
 
 def digest_at(rev: str, nb_path: Path) -> str:
     """:func:`source_digest` of a notebook as it was at git revision ``rev``."""
-    rel = nb_path.resolve().relative_to(ROOT)
-    shown = subprocess.run(["git", "show", f"{rev}:{rel.as_posix()}"], cwd=ROOT, capture_output=True, text=True)
-    if shown.returncode != 0:
-        raise ValueError(f"restamp: git cannot show {rel} at {rev!r}: {shown.stderr.strip()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / nb_path.name
-        copy.write_text(shown.stdout)
-        return source_digest(copy)
+    from ..book.results import digest_at_commit
+
+    digest = digest_at_commit(rev, nb_path.resolve())
+    if digest is None:
+        raise ValueError(f"restamp: git cannot show {nb_path.name} at {rev!r}")
+    return digest
 
 
 def markdown(table: dict) -> str:

@@ -401,6 +401,20 @@ def test_entropy_at_matched_accuracy_reads_each_path_where_both_are_equally_accu
         ch06.matched_accuracy([], vanilla)
 
 
+def test_a_profile_where_no_path_reaches_a_common_accuracy_reads_as_such_and_does_not_stop_the_page():
+    # at `full` a pruned network can end below the unpruned one's first epoch: no matched reading
+    summary, words = ch06.matched_reading({0: None, 1: None, 2: None})
+    assert summary is None and "none of the 3 seeds" in words
+    summary, words = ch06.matched_reading({0: -0.2, 1: None, 2: 0.1})
+    assert summary.n == 2 and summary.seeds == (0, 2) and summary.mean == pytest.approx(-0.05)
+    assert "over the 2 of 3 seeds" in words and "below zero in 1 of them" in words
+    assert f"{summary.half:.2f}" in words
+    summary, words = ch06.matched_reading({0: None, 4: -0.3})
+    assert summary.n == 1 and "seed 4 alone" in words and "no interval" in words and "below zero" in words
+    summary, words = ch06.matched_reading({0: -0.2, 1: -0.1})
+    assert "over the 2 seeds" in words and " of 2 seeds" not in words
+
+
 def test_class_weights_are_the_weights_as_they_act_and_weight_blocks_counts_them():
     from types import SimpleNamespace
     from capslib import pruning

@@ -230,6 +230,29 @@ def matched_accuracy(reference: Sequence[tuple[float, float]], other: Sequence[t
     return {"accuracy": a, "reference": h_ref, "other": h_other, "difference": diff}
 
 
+def matched_reading(differences: dict) -> tuple:
+    """Read ``{seed: difference at matched accuracy or None}`` (the ``"difference"`` of
+    :func:`matched_accuracy` per seed): the :class:`capslib.book.stats.Summary` over the seeds where both
+    paths reach the matched accuracy (None when fewer than one does), and its numbers in words for the page.
+    A profile where one network ends below the other's first epoch has no such seed; the page then says so
+    instead of stopping."""
+    from . import stats
+
+    reached = {s: d for s, d in differences.items() if d is not None}
+    if not reached:
+        return None, (f"not readable: in none of the {len(differences)} seeds do both training paths reach "
+                      f"a common accuracy")
+    below = sum(d < 0 for d in reached.values())
+    summary = stats.summarise(reached.values(), list(reached))
+    if len(reached) == 1:
+        (seed, d), = reached.items()
+        return summary, (f"{d:.2f} bits (seed {seed} alone has both paths reach that accuracy, so no interval; "
+                         f"{'below' if d < 0 else 'not below'} zero)")
+    of = "" if len(reached) == len(differences) else f" of {len(differences)}"
+    return summary, (f"{summary.mean:.2f} ± {summary.half:.2f} bits (95 % interval over the {len(reached)}{of} seeds "
+                     f"where both paths reach that accuracy; below zero in {below} of them)")
+
+
 # ----------------------------------------------------------------------------- parse-tree graphs of the FC CapsNet
 
 def parse_tree_graph(out: FCOutput, sample: int = 0, threshold: str | float = "uniform", levels: int | None = None):

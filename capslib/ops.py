@@ -130,7 +130,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with ``M = 1`` or ``P = 1``. Their gradient with respect to the votes is then an outer
     product, which ``torch.bmm``'s backward computes as a matrix product with inner dimension 1;
     here it is a broadcasting multiplication. Every entry of an outer product is a single
-    product, so both ways give the same bits (``tests/test_core.py`` checks it; the README lists the
+    product, so both ways give the same bits (``tests/test_core.py`` checks it; docs/measurements.md lists the
     chapter executions compared); forward values and the other gradient are :func:`_bmm`'s.
     FLOP counters (``torch.utils.flop_counter``) no longer count those outer products.
     Measured on 2 cores (AMD EPYC, torch 2.13, with :func:`capslib.book.session.keep_freed_memory`), a
@@ -205,7 +205,7 @@ class Reads:
     book, and the sum is one batched product (inner dimension: the number of reads), formed once when
     back-propagation reaches ``x``. Values and the factors' gradients are :func:`bmm`'s; ``x``'s gradient
     is the same sum in another rounding order (``tests/test_core.py``, ``tests/test_em.py``). Used by
-    :mod:`capslib.em` and :mod:`capslib.routing` (speeds in the README). Without a graph, or under
+    :mod:`capslib.em` and :mod:`capslib.routing` (speeds in docs/measurements.md). Without a graph, or under
     ``torch.compile`` (whose tracer would not follow the book), the reads are plain :func:`bmm`; under
     autocast ``x`` is cast once, each factor per read.
     """

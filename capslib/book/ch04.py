@@ -57,7 +57,7 @@ profiles.register(
               expanded_subset=None, expanded_epochs=5, expanded_conv_channels=256, expanded_primary_types=32,
               expanded_primary_stride=2, expanded_batch_size=128, expanded_lr=1e-3),
     # `full` is cut to fit one H100 in minutes: the chapter took about 7 (28x28 epochs 3.5 s with the
-    # full gradient, 3.0 s detached; README "GPU use"); CAPSBOOK_PAPER_SCHEDULE=1 restores Table 1's
+    # full gradient, 3.0 s detached; docs/gpu.md, "GPU use"); CAPSBOOK_PAPER_SCHEDULE=1 restores Table 1's
     # 100 epochs (and five seeds; capslib.tools.bench projects about 53 minutes of training on one H100).
     paper=dict(epochs=100, seeds=5, expanded_epochs=100),
 )

@@ -5,7 +5,7 @@
 socket lasting up to the whole cell timeout (for ever with no timeout), and reads its output with
 one unbounded ``poll`` of the IOPub socket. pyzmq's asyncio polling is edge-triggered: a wake-up
 that arrives while the client is not yet waiting can be missed, and that ``poll`` then sleeps until
-its timeout although a message is ready. That is the "stall" the README describes (kernel and
+its timeout although a message is ready. That is the "stall" docs/measurements.md describes (kernel and
 client both idle, every thread on its event loop, then the run goes on normally near the cell
 timeout; with no timeout, as ``make book`` once had, it hangs for ever). nbval, which polls in
 short slices, was never seen to stall. :class:`SlicedClient` gives nbclient's two channels the

@@ -288,7 +288,7 @@ def digest_at(rev: str, nb_path: Path) -> str:
 
 
 def markdown(table: dict) -> str:
-    """The table as Markdown (one row per claim), for the README."""
+    """The table as Markdown (one row per claim), for docs/claims.md."""
     words = {"above": ">", "at_least": "≥", "below": "<", "at_most": "≤"}
     rows = ["| claim | bound | runs (seeds, processors) | mean ± sd | worst run | worst margin | "
             "1 vs 2 threads, max diff | between processors, max diff |",

@@ -4,7 +4,7 @@ On the two-core machine ``make test`` is budgeted for, one process at two torch 
 core idle much of the time (Python between the kernels, plotting, the kernel's messaging), and
 nbval's chapters cannot share a process. Two processes at one thread each keep both cores busy.
 Every claim a chapter asserts is measured at one thread as well as two (``make spread``; the
-README's spread table), so the thread count does not change what the test checks.
+the spread table of docs/claims.md), so the thread count does not change what the test checks.
 
     python -m capslib.tools.testpool --jobs 2 --threads 1                 # unit tests, chapters 1-7, scoreboard, builds
     python -m capslib.tools.testpool --jobs 1 --threads 2 unit 02          # those only, one at a time

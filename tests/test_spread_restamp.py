@@ -39,6 +39,26 @@ def test_restamp_moves_old_runs_to_the_current_digest_and_keeps_the_old_one(tmp_
         spread.restamp(path, [nb], "  ", {"02_x": "old"})
 
 
+def test_rename_claim_renames_every_run_and_the_summary_and_keeps_the_values(tmp_path):
+    def claim(name, value):
+        return {"name": name, "value": value, "bound": "at_most", "limit": 4.0, "holds": value <= 4}
+    runs = {f"seed {s}, 2 threads": {"seed": s, "threads": 2, "chapters": {"05_x": {
+        "source": "d", "claims": [claim("05 runs at chance of the 9", v), claim("05 other", 1.0)]}}}
+        for s, v in ((0, 0.0), (1, 2.0))}
+    path = tmp_path / "spread.json"
+    path.write_text(json.dumps({"runs": runs, "claims": spread.summarise(runs)}))
+    assert spread.rename_claim(path, "05 runs at chance of the 9", "05 runs at chance, of the comparison's runs") == 2
+    table = json.loads(path.read_text())
+    assert set(table["claims"]) == {"05 runs at chance, of the comparison's runs", "05 other"}
+    assert [c["value"] for e in table["runs"].values() for c in e["chapters"]["05_x"]["claims"]
+            if c["name"].startswith("05 runs")] == [0.0, 2.0]
+    assert table["claims"]["05 runs at chance, of the comparison's runs"]["worst_value"] == 2.0
+    with pytest.raises(ValueError, match="no run measured"):
+        spread.rename_claim(path, "05 runs at chance of the 9", "anything")
+    with pytest.raises(ValueError, match="measured already"):
+        spread.rename_claim(path, "05 other", "05 runs at chance, of the comparison's runs")
+
+
 def test_digest_at_reads_the_committed_version():
     """digest_at(HEAD) of a committed chapter is the digest of the file as committed."""
     import subprocess

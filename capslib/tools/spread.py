@@ -157,6 +157,30 @@ def rebound(path: Path = SPREAD_FILE, notebooks: list[Path] | None = None) -> di
     return table
 
 
+def rename_claim(path: Path, old: str, new: str) -> int:
+    """Give a claim another name in every run and in the summary, its values untouched (a name that said
+    more than the claim measures, say). The chapter's code changes with it, so its runs then need
+    :func:`restamp`. Returns the number of runs renamed; refuses a name no run has or one already taken."""
+    table = json.loads(path.read_text())
+    if not new.strip() or new == old:
+        raise ValueError("rename_claim: the new name must be non-empty and differ from the old one")
+    names = {c["name"] for e in table.get("runs", {}).values() for r in e["chapters"].values() for c in r["claims"]}
+    if old not in names:
+        raise ValueError(f"rename_claim: no run measured a claim named {old!r}")
+    if new in names:
+        raise ValueError(f"rename_claim: a claim named {new!r} is measured already")
+    renamed = 0
+    for entry in table["runs"].values():
+        for res in entry["chapters"].values():
+            for c in res["claims"]:
+                if c["name"] == old:
+                    c["name"] = new
+                    renamed += 1
+    table["claims"] = summarise(table["runs"])
+    _write(table, path)
+    return renamed
+
+
 def _write(table: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = path.with_suffix(".json.tmp")
@@ -317,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="mark the chosen chapters' runs measured on the code of --from-rev as measured on their "
                          "current code, saying WHY the change cannot have moved a measurement, and stop")
     ap.add_argument("--from-rev", metavar="REV", help="with --restamp: the git revision the runs were measured on")
+    ap.add_argument("--rename-claim", nargs=2, metavar=("OLD", "NEW"),
+                    help="rename a claim in every run (values kept), print the count and stop; restamp its chapter after")
     ap.add_argument("--file", type=Path, default=SPREAD_FILE)
     ap.add_argument("--cell-timeout", type=int, default=CELL_TIMEOUT,
                     help=f"seconds one cell may take before it counts as hung (default {CELL_TIMEOUT}; more where the "
@@ -327,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rebound:
         print(markdown(rebound(args.file)))
+        return 0
+    if args.rename_claim:
+        try:
+            print(f"{rename_claim(args.file, *args.rename_claim)} run(s) renamed")
+        except ValueError as err:
+            ap.error(str(err))
         return 0
     notebooks = chapters()
     if args.chapters:

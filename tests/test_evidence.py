@@ -254,3 +254,25 @@ def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
         Equivalence(d, 0.0)
     with pytest.raises(ValueError, match="two seeds"):
         Equivalence(summarise([0.1]), 0.01)
+
+
+def test_seeds_needed_is_the_paired_t_tests_sample_size_not_the_normal_approximation():
+    """Textbook values of a two-sided paired t test at 5 % with 80 % power (G*Power: d = 0.5 needs 34 pairs, d = 1
+    needs 10); with few seeds the normal approximation says too few (d = 3: 1 by it, 4 by the t test, whose power
+    at 2 seeds is under a half)."""
+    import math
+
+    from scipy import stats as sps
+
+    from capslib.book import stats
+
+    assert stats.seeds_needed(0.5, 1.0) == 34 and stats.seeds_needed(1.0, 1.0) == 10
+    assert stats.seeds_needed(-0.3, 0.1) == stats.seeds_needed(0.3, 0.1) == 4
+    z = sps.norm.ppf(0.975) + sps.norm.ppf(0.8)
+    assert math.ceil((z / 3.0) ** 2) == 1
+    crit = sps.t.ppf(0.975, 1)
+    assert sps.nct.sf(crit, 1, 3.0 * math.sqrt(2)) + sps.nct.cdf(-crit, 1, 3.0 * math.sqrt(2)) < 0.5
+    assert stats.seeds_needed(0.1, 1.0) > math.ceil((z / 0.1) ** 2)       # even with many seeds, a little more
+    for bad in ((0.0, 1.0), (1.0, 0.0), (1.0, float("nan"))):
+        with pytest.raises(ValueError):
+            stats.seeds_needed(*bad)

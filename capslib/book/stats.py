@@ -189,6 +189,32 @@ def binomial(p: float, n: int, level: float = 0.95) -> Binomial:
     return Binomial(p, n, level)
 
 
+def seeds_needed(delta: float, sd: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """The fewest seeds ``n`` (at least 2) at which a two-sided paired t test at level ``alpha`` detects a mean
+    difference ``delta`` with probability ``power``, when the per-seed differences spread with standard deviation
+    ``sd``: the statistic follows a noncentral t with ``n - 1`` degrees of freedom and noncentrality
+    ``delta sqrt(n) / sd``. The normal approximation ``((z_{1-alpha/2} + z_power) sd / delta)^2`` is where the
+    search starts; with few seeds the t distribution's heavy tails need more than it says."""
+    from scipy import stats as sps
+
+    (delta, sd) = _finite_floats([delta, sd], "seeds_needed")
+    if delta == 0 or sd <= 0 or not 0 < alpha < 1 or not 0 < power < 1:
+        raise ValueError(f"seeds_needed: need delta != 0, sd > 0 and alpha, power in (0, 1); got {delta}, {sd}, "
+                         f"{alpha}, {power}")
+    effect = abs(delta) / sd
+    z = float(sps.norm.ppf(1 - alpha / 2) + sps.norm.ppf(power))
+
+    def achieved(n: int) -> float:
+        crit = float(sps.t.ppf(1 - alpha / 2, n - 1))
+        nc = effect * math.sqrt(n)
+        return float(sps.nct.sf(crit, n - 1, nc) + sps.nct.cdf(-crit, n - 1, nc))
+
+    n = max(2, math.ceil((z / effect) ** 2))
+    while achieved(n) < power:
+        n += 1
+    return n
+
+
 def table(summaries: dict, fmt: str = ".3f"):
     """A DataFrame, one row per summary: mean, ± (95 % t half-width), seeds, lowest, highest (which of the two
     is the worse depends on the quantity)."""

@@ -52,7 +52,7 @@ def scale_note(chapter: str, profile: str | None = None) -> str:
     if profile == "ci":
         digits = 10 * datasets.EMBEDDED_SPLIT[0]
         page = (f"The networks trained on this page are small runs on a CPU, at most {digits:,} training "
-                f"digits from a subset of MNIST that ships with the book and a few epochs each, sized so that "
+                f"digits from a subset of MNIST that ships with the book, sized so that "
                 f"the whole page executes in a few minutes on a laptop. They show how each mechanism behaves; they "
                 f"are not meant to reach the papers' accuracies.")
     else:

@@ -233,7 +233,7 @@ def matched_accuracy(reference: Sequence[tuple[float, float]], other: Sequence[t
 def matched_reading(differences: dict) -> tuple:
     """Read ``{seed: difference at matched accuracy or None}`` (the ``"difference"`` of
     :func:`matched_accuracy` per seed): the :class:`capslib.book.stats.Summary` over the seeds where both
-    paths reach the matched accuracy (None when fewer than one does), and its numbers in words for the page.
+    paths reach the matched accuracy (None when no seed's do), and its numbers in words for the page.
     A profile where one network ends below the other's first epoch has no such seed; the page then says so
     instead of stopping."""
     from . import stats

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..book import units as U
+from .experiments import LOG_DIR
 
 PACK_SECONDS = 20.0          # kept back from the budget for packing and the summary
 ARCHIVE = "results.tgz"
@@ -40,9 +41,10 @@ def packed_folders(smoke: bool = False) -> list[str]:
 
 
 def _sources(smoke: bool = False) -> list[tuple[str, Path]]:
-    """Each packed folder's archive name and where it is on disk (``$CAPSBOOK_UNITS_RESULTS`` may move the
-    results)."""
-    on_disk = [U.RESULTS_ROOT / ("full-smoke" if smoke else "full"), U.RESULTS_ROOT / "bench", U.ROOT / "_build" / "experiments"]
+    """Each packed folder's archive name and where it is on disk: the results where the units write them
+    (``$CAPSBOOK_UNITS_RESULTS`` may move them), the bench reports where the plan reads the fast check, the
+    runner's logs."""
+    on_disk = [U.RESULTS_ROOT / ("full-smoke" if smoke else "full"), U.FAST_CHECK_FILE.parent, LOG_DIR]
     return list(zip(packed_folders(smoke), on_disk))
 
 
@@ -97,7 +99,7 @@ def _run(args) -> int:
     lines = [f"allocation of {args.seconds:.0f} s, {args.jobs} unit(s) at a time" + (" (smoke)" if args.smoke else "")]
     if args.check_seconds > 0:   # its report goes where the plan reads it (a rehearsal's stays in DIR)
         out.mkdir(parents=True, exist_ok=True)
-        report = out / "fast_check.json" if args.smoke else U.ROOT / "book" / "results" / "bench" / "fast_check.json"
+        report = out / U.FAST_CHECK_FILE.name if args.smoke else U.FAST_CHECK_FILE
         if _step("fast check", [sys.executable, "-m", "capslib.tools.bench", "fast-check", "--json", str(report)],
                  min(args.check_seconds, args.seconds - PACK_SECONDS), env, lines):
             env["CAPSBOOK_NO_GRAPH"] = "1"

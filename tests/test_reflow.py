@@ -136,7 +136,7 @@ def test_the_kernels_formatter_writes_the_drawing_and_records_it(monkeypatch, tm
 
     root = tmp_path / "_static" / "frames"
     monkeypatch.setenv("CAPSBOOK_FRAMES_DIR", str(root))
-    monkeypatch.setenv("CAPSBOOK_PHONE_FIGURES", "1")      # make test's pool sets 0 for its executions
+    monkeypatch.setenv("CAPSBOOK_PHONE_FIGURES", "1")      # what the executions whose outputs go into the book set
     fmt = PNGFormatter()
     fmt.for_type(Figure, lambda fig: (base64.b64encode(b"the wide png").decode(), {"width": 720}))
     measuring = session._measuring(fmt.lookup_by_type(Figure))
@@ -147,6 +147,18 @@ def test_the_kernels_formatter_writes_the_drawing_and_records_it(monkeypatch, tm
     assert (root.parent / info["narrow"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     monkeypatch.setenv("CAPSBOOK_PHONE_FIGURES", "0")          # runs whose outputs are not kept skip it
     assert not widgets.phone_figures() and "narrow" not in measuring(fig)[1]["capsbook"]
+    monkeypatch.delenv("CAPSBOOK_PHONE_FIGURES")               # and so does a reader's own run
+    assert not widgets.phone_figures() and "narrow" not in measuring(fig)[1]["capsbook"]
+
+
+def test_only_the_executions_that_write_the_book_make_phone_drawings(monkeypatch):
+    from capslib.tools.execute import environment
+
+    monkeypatch.delenv("CAPSBOOK_PHONE_FIGURES", raising=False)
+    assert environment("ci")["CAPSBOOK_PHONE_FIGURES"] == "1"            # reproduce, make book
+    monkeypatch.setenv("CAPSBOOK_PHONE_FIGURES", "0")
+    assert environment("ci")["CAPSBOOK_PHONE_FIGURES"] == "1"            # whatever the caller's shell says
+    assert environment("ci", CAPSBOOK_PHONE_FIGURES="0")["CAPSBOOK_PHONE_FIGURES"] == "0"   # smoke runs
 
 
 def test_a_player_carries_its_frames_phone_drawings(tmp_path):

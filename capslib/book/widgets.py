@@ -194,10 +194,12 @@ def write_narrow(wide: bytes, narrow: bytes, root: Path | None = None) -> str | 
 
 
 def phone_figures() -> bool:
-    """Whether figures get their phone drawings (:mod:`capslib.book.reflow`): yes, but in executions whose outputs
-    do not go back into the book (``make test``'s nbval runs, ``make spread``), which set
-    ``$CAPSBOOK_PHONE_FIGURES=0`` to spare the time."""
-    return os.environ.get("CAPSBOOK_PHONE_FIGURES", "1") != "0"
+    """Whether figures get their phone drawings (:mod:`capslib.book.reflow`): only in executions whose outputs go
+    into the book (``reproduce``, ``make book``: :func:`capslib.tools.execute.environment` sets
+    ``$CAPSBOOK_PHONE_FIGURES=1``). A reader's own run, ``make test``'s nbval runs and ``make spread`` skip them: a
+    running notebook never shows them, and they cost a chapter up to a sixth of its time (chapter 2: 15 s of 91 s,
+    2026-11-29). A committed figure that needs one and lacks it fails ``tests/test_outputs.py``."""
+    return os.environ.get("CAPSBOOK_PHONE_FIGURES", "0") not in ("", "0")
 
 
 # The player's script: the start frame is the <img>'s inline source; any other frame is ``frames.src[k]``

@@ -65,11 +65,12 @@ def client(nb, path: Path, timeout: int | None = None, allow_errors: bool = Fals
 
 
 def environment(profile: str, **extra: str) -> dict:
-    """The kernel's environment: this process's, at ``profile``, progress bars off, and no
+    """The kernel's environment: this process's, at ``profile``, progress bars off, the figures' phone drawings
+    made (these outputs go into the book; ``extra`` may say ``CAPSBOOK_PHONE_FIGURES="0"``), and no
     ``MPLBACKEND`` (the kernel's own inline backend must draw the figures into the outputs)."""
     if profile not in ("ci", "full"):
         raise ValueError(f"profile must be 'ci' or 'full'; got {profile!r}")
-    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_PROGRESS": "0", **extra}
+    env = {**os.environ, "CAPSBOOK_PROFILE": profile, "CAPSBOOK_PROGRESS": "0", "CAPSBOOK_PHONE_FIGURES": "1", **extra}
     env.pop("MPLBACKEND", None)  # a non-inline backend (agg, set for scripts) would drop every figure
     return env
 

@@ -467,6 +467,19 @@ def test_assert_error_names_is_strict():
         grading.assert_error_names(f, "x", params, 1, 2)
 
 
+def test_an_argument_named_like_an_english_word_counts_only_quoted():
+    def m_step(V, a, message):
+        raise ValueError(message)
+    params = ("V", "a", "message")
+    grading.assert_error_names(m_step, "V", params, 1, 2, "V holds a NaN")          # the article names nothing
+    grading.assert_error_names(m_step, "a", params, 1, 2, "`a` holds a NaN")
+    grading.assert_error_names(m_step, "a", params, 1, 2, "'a' must be finite")
+    with pytest.raises(AssertionError, match="should name 'a'"):
+        grading.assert_error_names(m_step, "a", params, 1, 2, "a holds NaN")        # unquoted: read as the article
+    with pytest.raises(AssertionError, match="it also names \\['a'\\]"):
+        grading.assert_error_names(m_step, "V", params, 1, 2, "V and `a` hold NaN")
+
+
 def test_hidden_generator_is_for_test_files_and_follows_the_secret():
     import torch
     with pytest.raises(grading.DelegationError):

@@ -448,10 +448,15 @@ def hidden_generator(label: str | None = None):
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
 
 
+# argument names that are also English words standing alone ("V holds a NaN"): they count as named only quoted
+WORD_NAMES = frozenset({"a", "A", "I"})
+
+
 def _identifiers(text: str) -> set[str]:
     import re
 
-    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
+    found = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)) - WORD_NAMES
+    return found | set(re.findall(r"[`'\"]([A-Za-z_][A-Za-z0-9_]*)[`'\"]", text))
 
 
 def assert_error_names(fn: Callable[..., Any], bad: str, params: Iterable[str], *args: Any, **kwargs: Any) -> None:
@@ -459,8 +464,9 @@ def assert_error_names(fn: Callable[..., Any], bad: str, params: Iterable[str], 
     of the function's arguments ``params`` (its parameter names as the assignment states them).
 
     A name counts as named when it appears as a whole identifier in the message (``u_hat`` in
-    "u_hat must be (B, I, J, D)", not in "u_hats"). A message naming every argument names none usefully,
-    and fails.
+    "u_hat must be (B, I, J, D)", not in "u_hats"), or, for a name that is also an English word standing alone
+    (:data:`WORD_NAMES`: ``a``, ``A``, ``I``), when it appears quoted ("`a` holds NaN"; in "V holds a NaN" the
+    article names nothing). A message naming every argument names none usefully, and fails.
     """
     params = tuple(params)
     if bad not in params:

@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import os
 import secrets
 import sys

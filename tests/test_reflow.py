@@ -297,3 +297,28 @@ def test_a_legend_label_with_maths_is_wrapped_between_its_formulas_never_inside_
     # plain labels wrap as before; an unbalanced $ leaves the label whole
     assert reflow._wrap_label("noise-fed parents of every class", 12) == "noise-fed\nparents of\nevery class"
     assert reflow._wrap_label("costs $5 and more words than fit", 8) == "costs $5 and more words than fit"
+
+
+def test_the_book_gives_each_figure_the_text_alternative_its_kernel_recorded(monkeypatch, tmp_path):
+    import hashlib
+
+    from IPython.core.formatters import PNGFormatter
+    from matplotlib.figure import Figure
+
+    from capslib.book import session
+    from capslib.tools import sphinx_figures
+
+    monkeypatch.setenv("CAPSBOOK_FRAMES_DIR", str(tmp_path / "frames"))
+    fmt = PNGFormatter()
+    fmt.for_type(Figure, lambda fig: (base64.b64encode(b"the png").decode(), {"width": 720}))
+    fig, axes = _three_panels()
+    fig.suptitle("Three panels")
+    data, meta = session._measuring(fmt.lookup_by_type(Figure))(fig)
+    assert meta["capsbook"]["alt"] == viz.alt_text(fig) and meta["capsbook"]["alt"].startswith("Three panels. 3 panels")
+    notebook = {"cells": [{"cell_type": "markdown", "source": "text"},
+                          {"cell_type": "code", "outputs": [
+                              {"output_type": "display_data", "data": {"image/png": data}, "metadata": {"image/png": meta}},
+                              {"output_type": "display_data", "data": {"image/png": base64.b64encode(b"old").decode()},
+                               "metadata": {}}]}]}
+    found = sphinx_figures.text_alternatives(notebook)
+    assert found == {hashlib.sha256(b"the png").hexdigest(): meta["capsbook"]["alt"]}

@@ -246,3 +246,41 @@ def test_inline_figures_carry_their_text_measurement():
     data, meta = measuring(fig)
     assert data == b"png" and meta["width"] == 10
     assert meta["capsbook"]["smallest_text"] == "title" and meta["capsbook"]["smallest_px"] == pytest.approx(12.5)
+
+
+def test_labels_read_as_words_and_unicode():
+    assert viz.plain_text(r"length $\|\mathbf{v}_j\|$") == "length ‖v_j‖"
+    assert viz.plain_text(r"$\hat{\mathbf u}_{j|i}$ against $\kappa_{\mathrm{final}}$") == "û_j|i against κ_final"
+    assert viz.plain_text(r"$\frac{1}{J}$ and $\frac{a+b}{2}$") == "1/J and (a+b)/2"
+    assert viz.plain_text(r"entropy $\mathbb H_j$ (bits), $\operatorname{softmax}(x)$") == "entropy ℍ_j (bits), softmax(x)"
+    assert viz.plain_text("a price of \\$5, no maths") == "a price of $5, no maths"
+
+
+def test_a_figures_text_alternative_says_what_its_panels_show():
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2)
+    fig.suptitle("Toy routing")
+    axes[0].set_title("lengths")
+    axes[0].set_xlabel("parent $j$")
+    axes[0].set_ylabel(r"$\|\mathbf v_j\|$")
+    image = axes[1].imshow(np.eye(3))
+    fig.colorbar(image, ax=axes[1], label="$c_{ij}$")
+    assert viz.alt_text(fig) == "Toy routing. 2 panels: (1) lengths: ‖v_j‖ against parent j; (2) an image. Colour scale: c_ij."
+    grid, cells = plt.subplots(2, 4)
+    cells[0, 0].set_title("digit")
+    for ax in cells.flat:
+        ax.imshow(np.eye(2))
+    assert viz.alt_text(grid) == "8 panels: (1) digit: an image; (2-8) images."
+    many, rows = plt.subplots(1, 9)
+    for k, ax in enumerate(rows):
+        ax.set_title(f"class {k}")
+    assert viz.alt_text(many, max_panels=3) == "9 panels: (1) class 0; (2) class 1; (3) class 2; and panels 4-9."
+    diagram = plt.figure()
+    ax = diagram.add_axes((0, 0, 1, 1))
+    ax.set_axis_off()
+    ax.text(0.1, 0.5, "votes $\\hat u$")
+    ax.text(0.7, 0.5, "parent")
+    assert viz.alt_text(diagram) == "A diagram labelled: votes û; parent."
+    assert viz.alt_text(plt.figure()) == "A figure without titles or axis labels."
+    plt.close("all")

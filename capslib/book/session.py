@@ -150,11 +150,12 @@ def _measuring(retina):
     ``tests/test_outputs.py`` holds every committed figure to ``viz.MIN_TEXT_PX``. A figure too wide to read
     in a phone's column also gets its phone drawing (:mod:`capslib.book.reflow`), written beside the players'
     frames; its path and smallest text go into the same metadata (``narrow``, ``narrow_px``), and the book
-    shows it on narrow screens."""
+    shows it on narrow screens. ``alt`` is the figure's text alternative (:func:`capslib.book.viz.alt_text`),
+    which :mod:`capslib.tools.sphinx_figures` gives its image in the book."""
     from . import reflow, viz, widgets
 
     def png(fig):
-        info = viz.text_on_page(fig)
+        info = {**viz.text_on_page(fig), "alt": viz.alt_text(fig)}
         phone = reflow.narrow_png(fig) if widgets.phone_figures() else None
         if reflow.is_diagram(fig):
             info = {**info, "diagram": True}     # not re-laid for a phone (see reflow.is_diagram)

@@ -191,3 +191,101 @@ def history_plot(histories: dict, keys=("loss", "val_acc"), title: str | None = 
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- text alternatives
+
+# TeX commands of the figures' labels, as a screen reader should hear them
+_TEX_WORDS = {
+    "alpha": "α", "beta": "β", "gamma": "γ", "delta": "δ", "epsilon": "ε", "varepsilon": "ε", "zeta": "ζ",
+    "eta": "η", "theta": "θ", "kappa": "κ", "lambda": "λ", "mu": "μ", "nu": "ν", "xi": "ξ", "pi": "π",
+    "rho": "ρ", "sigma": "σ", "tau": "τ", "phi": "φ", "varphi": "φ", "chi": "χ", "psi": "ψ", "omega": "ω",
+    "Gamma": "Γ", "Delta": "Δ", "Theta": "Θ", "Lambda": "Λ", "Sigma": "Σ", "Phi": "Φ", "Psi": "Ψ", "Omega": "Ω",
+    "sum": "Σ", "prod": "Π", "cdot": "·", "times": "×", "le": "≤", "leq": "≤", "ge": "≥", "geq": "≥",
+    "neq": "≠", "ne": "≠", "approx": "≈", "to": "→", "rightarrow": "→", "leftarrow": "←", "infty": "∞",
+    "pm": "±", "partial": "∂", "nabla": "∇", "in": "∈", "|": "‖", "%": "%", "log": "log", "ln": "ln",
+    "exp": "exp", "max": "max", "min": "min", "arg": "arg", "operatorname": "", "mathrm": "", "mathbf": "",
+    "mathit": "", "boldsymbol": "", "mathcal": "", "text": "", "textrm": "", "left": "", "right": "", "big": "",
+    "Big": "", "bigl": "", "bigr": "", ",": " ", ";": " ", "!": "", "quad": " ", "qquad": " ",
+}
+_TEX_ACCENTS = {"hat": "\u0302", "bar": "\u0304", "tilde": "\u0303", "vec": "\u20d7", "dot": "\u0307"}
+_TEX_COMMAND = re.compile(r"\\([A-Za-z]+|[|%,;!])")
+
+
+def plain_text(label: str) -> str:
+    """A figure label in words and Unicode, as a screen reader should read it: mathtext's ``$...$`` spans
+    turned from TeX into Unicode (``$\\|\\mathbf v_j\\|$`` -> ``‖v_j‖``, ``$\\kappa$`` -> ``κ``), the rest kept."""
+    def maths(m: re.Match) -> str:
+        s = re.sub(r"\\(?:mathbf|mathrm|mathit|boldsymbol|mathcal|operatorname|textrm|text)\s*(\{[^{}]*\}|\\?[A-Za-z])",
+                   lambda f: f.group(1).strip("{}"), m.group(1))
+        s = re.sub(r"\\(hat|bar|tilde|vec|dot)\s*\{?\s*\\?([A-Za-z])\}?",
+                   lambda a: _TEX_WORDS.get(a.group(2), a.group(2)) + _TEX_ACCENTS[a.group(1)], s)
+        s = re.sub(r"\\mathbb\s*\{?([A-Za-z0-9])\}?",
+                   lambda a: {"1": "𝟙", "H": "ℍ", "E": "𝔼", "R": "ℝ", "N": "ℕ"}.get(a.group(1), a.group(1)), s)
+        s = re.sub(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}",
+                   lambda f: "/".join(t if re.fullmatch(r"\w+", t) else f"({t})" for t in f.groups()), s)
+        s = re.sub(r"\\sqrt\s*\{([^{}]*)\}", r"√(\1)", s)
+        s = _TEX_COMMAND.sub(lambda c: _TEX_WORDS.get(c.group(1), c.group(1)), s)
+        s = re.sub(r"([_^])\{([^{}]*)\}", r"\1\2", s)
+        s = s.replace("{", "").replace("}", "").replace("~", " ")
+        return re.sub(r"\s+", " ", s).strip()
+
+    import unicodedata
+
+    text = re.sub(r"(?<!\\)\$(.+?)(?<!\\)\$", maths, str(label)).replace("\\$", "$")
+    return unicodedata.normalize("NFC", re.sub(r"\s+", " ", text).strip())   # u + combining hat -> û
+
+
+def alt_text(fig, max_panels: int = 6) -> str:
+    """A text alternative for ``fig`` (the ``alt`` of its image in the book), built from what the figure
+    says of itself: its title, then each panel's title and what its axes show (``y against x``), the
+    colour bars' labels, a panel of an image without axis labels as an image; consecutive panels that read
+    alike are said once with their range, and after ``max_panels`` such groups only the range of the rest. A
+    figure whose panels say nothing of themselves (a diagram) is read by the words placed on it."""
+    title = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) is not None else ""
+    panels, bars = [], []
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        if ax.get_label() == "<colorbar>":
+            label = ax.get_ylabel() or ax.get_xlabel()
+            if label.strip():
+                bars.append(plain_text(label))
+            continue
+        parts = []
+        head = plain_text(ax.get_title() or ax.get_title("left") or ax.get_title("right"))
+        x, y = plain_text(ax.get_xlabel()), plain_text(ax.get_ylabel())
+        if y and x:
+            parts.append(f"{y} against {x}")
+        elif y or x:
+            parts.append(y or x)
+        elif ax.images:
+            parts.append("an image")
+        if not (head or parts):
+            continue
+        panels.append(f"{head}: {'; '.join(parts)}" if head and parts else head or parts[0])
+    words = []
+    if title.strip():
+        words.append(plain_text(title) + ".")
+    if len(panels) == 1:
+        words.append(panels[0][:1].upper() + panels[0][1:] + ".")
+    elif panels:
+        runs: list[list] = []                       # consecutive panels that read alike, said once
+        for k, p in enumerate(panels, start=1):
+            if runs and runs[-1][2] == p:
+                runs[-1][1] = k
+            else:
+                runs.append([k, k, p])
+        shown = "; ".join(f"({a}) {p}" if a == b else f"({a}-{b}) {'images' if p == 'an image' else p}"
+                          for a, b, p in runs[:max_panels])
+        rest = runs[max_panels:]
+        more = f"; and panels {rest[0][0]}-{rest[-1][1]}" if rest else ""
+        words.append(f"{len(panels)} panels: {shown}{more}.")
+    if bars:
+        words.append("Colour scale: " + "; ".join(dict.fromkeys(bars)) + ".")
+    if not panels:                                  # a diagram: the words placed on it
+        placed = [plain_text(t.get_text()) for t in [*fig.texts, *(t for ax in fig.axes for t in ax.texts)]
+                  if t.get_visible() and t.get_text().strip() and t is not getattr(fig, "_suptitle", None)]
+        if placed:
+            words.append("A diagram labelled: " + "; ".join(dict.fromkeys(placed)) + ".")
+    return " ".join(words) or "A figure without titles or axis labels."

@@ -189,6 +189,11 @@ def cut_cells(cells: list[str]) -> list[str]:
 def test_helpers_without_a_browser():
     import io
 
+    shown = [{"src": "http://x/_images/" + "a" * 64 + ".png", "section": "s", "alt": "../_images/" + "a" * 64 + ".png"},
+             {"src": "data:image/png;base64,xx", "section": "s", "alt": " "},
+             {"src": "http://x/_images/b.png", "section": "s", "alt": "Toy routing. 2 panels: (1) lengths"}]
+    assert [p.split(":")[1].strip()[:6] for p in _without_text_alternative(shown)] == ["aaaaaa", "inline"]
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -321,7 +326,8 @@ IMAGES = """() => {
     const declared = parseFloat(img.getAttribute('width')) || parseFloat(img.style.width) || 0;
     return {src: img.currentSrc || img.src, natural: img.naturalWidth, rendered: r.width, column: column,
             declared: box ? declared : 0,
-            complete: img.complete, animation: !!img.closest('div.animation'), section: section.slice(0, 60)};
+            complete: img.complete, animation: !!img.closest('div.animation'), section: section.slice(0, 60),
+            alt: img.getAttribute('alt') || ''};
   });
 }"""
 
@@ -523,6 +529,16 @@ def _wider_than_column(images: list[dict]) -> list[str]:
             for im in images if im.get("declared") and im["column"] and im["rendered"] > im["column"] + 1]
 
 
+def _without_text_alternative(images: list[dict]) -> list[str]:
+    """Every image on a page has a text alternative a screen reader can read: not empty, not a file's name
+    (myst-nb's default for an output image; capslib.tools.sphinx_figures replaces it with the figure's own)."""
+    def name(src: str) -> str:
+        return "inline image" if src.startswith("data:") else src.rsplit("/", 1)[-1][:40]
+
+    return [f"image without a text alternative: {name(im['src'])} (section {im['section']!r}), alt {im['alt'][:60]!r}"
+            for im in images if not im.get("alt", "").strip() or re.search(r"[.](png|jpe?g|svg|gif)$", im["alt"].strip())]
+
+
 def _column_problems(images: list[dict]) -> list[str]:
     """At 1280 px every output image sits in a column of capslib.book.viz.COLUMN_PX CSS px: the width
     each figure's text was measured for (tests/test_outputs.py). A narrower column would shrink
@@ -626,6 +642,7 @@ def _check_page(ctx, base: str, page: str, width: int) -> tuple[list[str], dict]
                 problems.append(f"interactive figure {fig['k'] + 1} {fig['label']!r}: no frame loads at slider "
                                 f"positions {fig['broken']} of {fig['positions']}")
         images = pg.evaluate(IMAGES)
+        problems += _without_text_alternative(images)
         bad = _legibility(images, base, page)
         if width == WIDTHS[0]:
             problems += _column_problems(images)

@@ -141,6 +141,22 @@ def test_every_figure_is_legible_in_the_column(path):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_figure_has_a_text_alternative(path):
+    """Every figure the kernel showed carries the text alternative capslib.book.viz.alt_text made of it (the
+    book gives it to the image: capslib.tools.sphinx_figures), and says something of the figure."""
+    problems = []
+    for index, kind, info in figure_texts(json.loads(path.read_text())):
+        if kind != "figure":
+            continue                       # a player's image reads its control and value (capslib.book.widgets)
+        alt = (info or {}).get("alt", "")
+        if not alt.strip():
+            problems.append(f"cell {index}: a figure without a text alternative (re-execute the chapter)")
+        elif alt == "A figure without titles or axis labels.":
+            problems.append(f"cell {index}: a figure with nothing to read: give it a title or axis labels")
+    assert not problems, "\n".join(problems)
+
+
 # A diagram (boxes and labels placed by hand) is not re-laid for a phone; it is drawn narrow enough that, scaled
 # down to a phone's column, its smallest text stays 9 px high (tests/test_browser.py's floor): with text 12.5 px
 # at its width, at most 12.5 / 9 of the column.

@@ -80,6 +80,11 @@ def test_interactive_figure_player_and_live_widget(monkeypatch, tmp_path):
     assert pixels > 100 and f'width="{round(pixels / 2)}"' in page
     # the smallest text of any frame, as the column shows it, travels with the player
     assert float(re.search(r'data-smallest-text-px="([\d.]+)"', page).group(1)) > 0
+    # the image's text alternative: the control, its value and what the frame shows; one per frame for the script
+    assert 'alt="routing iteration r (vote scale α = 1.0): routing iteration r = 3. After iteration 3."' in page
+    assert '"alts": ["After iteration 1.", "After iteration 2.",' in page
+    with pytest.raises(ValueError, match="one text alternative per frame"):
+        widgets.player_html([first, first], ["a", "b"], 0, "t", alts=["only one"])
     slider = live.children[0]
     calls.clear()
     slider.value = 5

@@ -1,7 +1,7 @@
 """One switch for scale: ``CAPSBOOK_PROFILE=ci|full``.
 
 ``ci`` runs on two CPU cores with the embedded 5,000 MNIST digits, each chapter
-in well under two minutes; ``full`` is the paper's architecture and schedule on
+in about two minutes or less on the processors measured (README: measured run times); ``full`` is the paper's architecture and schedule on
 the full dataset, on a GPU. The default is ``full`` when CUDA is available and
 ``ci`` otherwise. Every experiment reads its sizes from :func:`settings`.
 

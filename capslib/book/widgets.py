@@ -101,7 +101,8 @@ def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: l
                   narrow: list | None = None) -> list[bytes]:
     """PNG bytes of ``draw(**fixed, knob=value)`` for each value; raises if two frames are equal
     (the knob would not change what the reader sees). ``texts``, if given, receives each frame's
-    :func:`capslib.book.viz.text_on_page` (how large its smallest text appears in the book's column);
+    :func:`capslib.book.viz.text_on_page` (how large its smallest text appears in the book's column) with its
+    text alternative (``alt``: :func:`capslib.book.viz.alt_text`);
     ``narrow``, if given, each frame's phone drawing from :func:`capslib.book.reflow.narrow_png`
     (``(png, text)``, or None for a frame that needs none)."""
     from . import reflow
@@ -117,7 +118,7 @@ def render_frames(draw: Callable, knob: str, values: list, fixed: dict, texts: l
         if fig is None:
             fig = plt.gcf()
         if texts is not None:
-            texts.append(viz.text_on_page(fig, dpi=FIGURE_DPI))
+            texts.append({**viz.text_on_page(fig, dpi=FIGURE_DPI), "alt": viz.alt_text(fig)})
         if narrow is not None:
             narrow.append(reflow.narrow_png(fig))
         pngs.append(_png(fig))
@@ -225,7 +226,7 @@ _SCRIPT = (
     "function show(){var k=parseInt(slider.value,10),s=src(k);"
     "img.setAttribute('width',phone()?frames.narrowWidth:wide);"
     "if(img.getAttribute('src')!==s){img.src=s;}out.textContent=frames.labels[k];"
-    "img.alt=frames.title+': '+frames.labels[k];}"
+    "img.alt=frames.title+': '+frames.labels[k]+(frames.alts?'. '+frames.alts[k]:'');}"
     "img.addEventListener('error',function(){out.textContent=frames.labels[parseInt(slider.value,10)]+"
     "' (this frame could not be loaded here; the book\\'s page or the live controls show it)';});"
     "slider.addEventListener('input',show);if(frames.narrow){show();"
@@ -234,16 +235,20 @@ _SCRIPT = (
 
 def player_html(pngs: list[bytes], labels: list[str], start: int, title: str,
                 smallest_text_px: float | None = None, files: list[str] | None = None,
-                narrow: list[bytes] | None = None, narrow_smallest_text_px: float | None = None) -> str:
+                narrow: list[bytes] | None = None, narrow_smallest_text_px: float | None = None,
+                alts: list[str] | None = None) -> str:
     """An HTML player: the frame at ``start`` shown (inline), a range slider to move. The other frames are
     ``files`` (paths under the book's static folder, from :func:`write_frames`) loaded when the slider reaches
     them, or, without ``files``, inlined too. ``smallest_text_px`` (the smallest text of any frame as it appears
     in the book's column) is kept in the player's ``data-smallest-text-px`` for ``tests/test_outputs.py``.
     ``narrow`` (the frames' phone drawings, written by :func:`write_frames` as ``n<k>.png`` beside ``files``)
     are what a player narrower than :data:`NARROW_BELOW` of its frames shows, their smallest text
-    ``narrow_smallest_text_px`` in a phone's column (``data-narrow-smallest-text-px``)."""
+    ``narrow_smallest_text_px`` in a phone's column (``data-narrow-smallest-text-px``). ``alts``, one per frame
+    (:func:`capslib.book.viz.alt_text`), follow the control's value in the image's text alternative."""
     if len(pngs) != len(labels) or not 0 <= start < len(pngs):
         raise ValueError("expected one label per frame and a start index among them")
+    if alts is not None and len(alts) != len(pngs):
+        raise ValueError(f"expected one text alternative per frame; got {len(alts)} for {len(pngs)} frames")
     if files is not None and len(files) != len(pngs):
         raise ValueError(f"expected one file per frame; got {len(files)} files for {len(pngs)} frames")
     if narrow is not None and (files is None or len(narrow) != len(pngs)):
@@ -258,13 +263,15 @@ def player_html(pngs: list[bytes], labels: list[str], start: int, title: str,
                       narrowWidth=max(round(png_size(p)[0] * FIGURE_DPI / FRAME_DPI) for p in narrow))
     import json
 
-    data = json.dumps({**frames, "labels": labels, "title": title}).replace("</", "<\\/")
+    data = json.dumps({**frames, "labels": labels, "title": title, **({"alts": alts} if alts else {})})
+    data = data.replace("</", "<\\/")
+    alt = f"{title}: {labels[start]}" + (f". {alts[start]}" if alts else "")
     return (
         f'<div class="animation capsbook-player" id="{uid}"'
         + (f' data-smallest-text-px="{smallest_text_px:.2f}"' if smallest_text_px is not None else "")
         + (f' data-narrow-smallest-text-px="{narrow_smallest_text_px:.2f}"' if narrow_smallest_text_px is not None
            else "") + ">"
-        f'<img src="{inline(pngs[start])}" alt="{html.escape(title)}: {html.escape(labels[start])}" '
+        f'<img src="{inline(pngs[start])}" alt="{html.escape(alt)}" '
         f'width="{css_width}" style="max-width:100%;height:auto">'
         f'<div class="anim-controls"><label>{html.escape(title)} '
         f'<input type="range" class="anim-slider" min="0" max="{len(pngs) - 1}" step="1" value="{start}"></label> '
@@ -336,7 +343,8 @@ def interactive_figure(draw: Callable, frames: str | None = None, names: dict[st
         narrow, narrow_sizes = None, []
     display(HTML(player_html(pngs, [f"{names[knob]} = {v}" for v in values], start, title,
                              smallest_text_px=min(sizes) if sizes else None, files=files, narrow=narrow,
-                             narrow_smallest_text_px=min(narrow_sizes) if narrow_sizes else None)))
+                             narrow_smallest_text_px=min(narrow_sizes) if narrow_sizes else None,
+                             alts=[t["alt"] for t in texts])))
 
     def show(**values):
         draw(**values)

@@ -457,6 +457,15 @@ def test_a_paper_scale_cell_says_which_of_a_rows_numbers_it_gives(main_smoke, mo
     assert {"02", "03", "04", "05", "06", "07"} <= prefixes
 
 
+def test_a_paper_scale_cell_carries_the_papers_unit_unless_it_is_a_percentage(main_smoke, monkeypatch):
+    monkeypatch.setattr(U, "RESULTS_ROOT", main_smoke)
+    bits = next(k for k, e in paper.table().items() if e.get("unit") == "bits")
+    monkeypatch.setitem(U.PAPER_SCALE, bits, U.PaperScale("02/main", lambda m: m["test_error"], ".3f"))
+    err = U.load(U.get("02/main/s0"), smoke=True)["metrics"]["test_error"]
+    assert U.paper_scale_cell(bits, smoke=True) == f"{err:.3f} bits (1 of 3 seeds)"
+    assert U.paper_scale_cell("sabour_mnist_error", smoke=True) == f"{err:.2%} (1 of 3 seeds)"   # "%" is in the number
+
+
 def test_every_row_declared_for_the_paper_scale_column_is_a_row_of_a_committed_comparison_table():
     """A row keyed by its quantity (no paper number) must match a row the chapters' tables print, or its
     paper-scale cell would silently go missing when a label changes."""

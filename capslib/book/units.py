@@ -508,8 +508,9 @@ def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str
 
 def paper_scale_cell(key, smoke: bool = False, quantity: str | None = None) -> str | None:
     """The paper-scale cell of a comparison row that shows the paper's ``key`` (or, failing that, of the row
-    named ``quantity``): the mean ± SD over the seeds run and how many of the declared seeds that is, or
-    "not yet run"; ``None`` where no unit measures that number."""
+    named ``quantity``): the mean ± SD over the seeds run, in the paper's unit where it has one other than a
+    percentage (bits), and how many of the declared seeds that is, or "not yet run"; ``None`` where no unit
+    measures that number."""
     _load_chapters()
     ps = PAPER_SCALE.get(key) if isinstance(key, str) else None
     if ps is None and isinstance(quantity, str):
@@ -521,7 +522,13 @@ def paper_scale_cell(key, smoke: bool = False, quantity: str | None = None) -> s
     values = [float(ps.metric(r["metrics"])) for r in g.results]
     if not values:
         return "not yet run"
-    cell = f"{seed_spread(values, ps.fmt)} ({len(values)} of {declared} seeds)"
+    unit = ""
+    if isinstance(key, str) and "%" not in ps.fmt:      # a number in the paper's unit, where it has one (bits)
+        from . import paper
+
+        if paper.is_key(key) and paper.entry(key).get("unit") not in (None, "", "%"):
+            unit = f" {paper.entry(key)['unit']}"
+    cell = f"{seed_spread(values, ps.fmt)}{unit} ({len(values)} of {declared} seeds)"
     return f"{ps.what} {cell}" if ps.what else cell
 
 

@@ -68,11 +68,11 @@ def test_every_figure_shown_is_in_the_outputs(path):
 
 def _waits_for_paper_scale(cell: dict) -> bool:
     """A paper-scale cell draws its figures from experiment-unit results; before every one of them
-    exists it shows the "not yet made" banner, and may show no figure."""
+    exists it shows the "still to be made" banner, and may show no figure."""
     if "paper-scale" not in cell.get("metadata", {}).get("tags", []):
         return False
     html = ["".join(o.get("data", {}).get("text/html", "")) for o in cell.get("outputs", [])]
-    return any("Paper-scale run not yet made" in h for h in html)
+    return any("Paper-scale runs still to be made" in h for h in html)
 
 
 def test_the_leak_patterns_catch_what_they_name():

@@ -11,7 +11,7 @@ def test_scale_note_counts_the_chapters_paper_scale_results(tmp_path, monkeypatc
     text = page.scale_note("02", profile="ci")
     done = sum(U.state(u)[0] == "done" for u in U.all_units("02"))
     total = len(U.all_units("02"))
-    assert f"{10 * datasets.EMBEDDED_SPLIT[0]:,} training digits" in text and f"declares {total}" in text
+    assert f"{10 * datasets.EMBEDDED_SPLIT[0]:,} training digits" in text and f"plans {total} for this chapter" in text
     assert (f"{done} of the {total}" in text) if 0 < done < total else True
     assert page.PAPER_SCALE_SECTION in text
     # with no results at all the note says none has been made

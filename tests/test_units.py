@@ -247,7 +247,7 @@ def test_chapter2_paper_scale_views_from_results(main_smoke, monkeypatch):
     assert frame.loc["3 iterations, reconstruction", "seeds"] == 1
     assert frame.loc["baseline CNN", "this book: test error (%)"] == "not yet run"
     text = U.banner(groups)
-    assert "not yet made" in text and "1 of 3 seeds run" in text and "02/" not in text
+    assert "still to be made" in text and "1 of 3 seeds run so far" in text and "02/" not in text
     for fig in (ch02.draw_reconstructions(main.results[0]), ch02.draw_perturbations(main.results[0]),
                 ch02.draw_couplings(main.results)):
         assert fig.axes

@@ -113,9 +113,10 @@ def test_chapter6_smoke_result_and_views(smoke_root, monkeypatch):
     assert ch06.k_rule([2, 5, 7, 11], [0.2, 0.9, 0.995, 0.996], 0.002) == 7
     # the paper-scale column of the comparison table reads the same result (REM's rows; no vanilla result yet)
     rem = m["REM (LOBSTER)"]
-    for key, value, fmt in (("rem_acc_rem", rem["by_K"]["11"]["accuracy"], ".2%"),
-                            ("rem_entropy_rem", rem["by_K"]["11"]["entropy"], ".2f"), ("rem_sparsity", rem["sparsity"], ".2%")):
-        assert U.paper_scale_cell(key, smoke=True) == f"{format(value, fmt)} (1 of 5 seeds)", key
+    for key, value, fmt, unit in (("rem_acc_rem", rem["by_K"]["11"]["accuracy"], ".2%", ""),
+                                  ("rem_entropy_rem", rem["by_K"]["11"]["entropy"], ".2f", " bits"),
+                                  ("rem_sparsity", rem["sparsity"], ".2%", "")):
+        assert U.paper_scale_cell(key, smoke=True) == f"{format(value, fmt)}{unit} (1 of 5 seeds)", key
     assert U.paper_scale_cell("rem_acc_vanilla", smoke=True) == "not yet run"
 
 

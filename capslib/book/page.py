@@ -29,7 +29,7 @@ def page_profile() -> str:
 
 
 def _made(chapter: str) -> tuple[int, int, set]:
-    """How many of the chapter's units are done, how many it declares, and the kinds of processor the
+    """How many of the chapter's units are done, how many it plans, and the kinds of processor the
     done ones ran on (``"GPU"``, ``"CPU"``)."""
     from . import units
     declared = units.all_units(chapter)
@@ -54,7 +54,7 @@ def scale_note(chapter: str, profile: str | None = None) -> str:
         page = (f"The networks trained on this page are small runs on a CPU, at most {digits:,} training "
                 f"digits from a subset of MNIST that ships with the book, sized so that "
                 f"the whole page executes in a few minutes on a laptop. They show how each mechanism behaves; they "
-                f"are not meant to reach the papers' accuracies.")
+                f"are not meant to reach the papers' accuracies; where the text says `ci`, it means these runs.")
     else:
         page = ("The networks trained on this page ran at the book's larger profile, on the full MNIST "
                 "training set, with fewer epochs and seeds than the papers used.")
@@ -67,7 +67,7 @@ def scale_note(chapter: str, profile: str | None = None) -> str:
         where = " on a " + kinds.pop() if len(kinds) == 1 else " on GPUs and CPUs"
         runs = f"{made} been made{where}, and {section} shows what {'it' if done == 1 else 'they'} found"
     return (f"{page} The paper-scale trainings are longer runs on the full training set, whose results are "
-            f"stored with the book: this chapter declares {total}; {runs}.")
+            f"stored with the book: the book plans {total} for this chapter; {runs}.")
 
 
 def glue_scale(chapter: str) -> str:

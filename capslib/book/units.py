@@ -450,9 +450,9 @@ def banner(groups: list[Group]) -> str | None:
     parts = []
     for g in lacking:
         n = len(g.results) + len(g.missing) + len(g.stale)
-        what = f"{len(g.results)} of {n} seeds run" + (f", {len(g.stale)} stale (made by other code)" if g.stale else "")
+        what = f"{len(g.results)} of {n} seeds run so far" + (f", {len(g.stale)} stale (made by other code)" if g.stale else "")
         parts.append(f"{g.label} ({what})")
-    return ("**Paper-scale run not yet made** for " + "; ".join(parts) +
+    return ("**Paper-scale runs still to be made** for " + "; ".join(parts) +
             ". Each is a short GPU job; until it is made, this section shows the results that exist, "
             "and the rest of the chapter shows the small CPU run.")
 

@@ -277,6 +277,12 @@ def test_a_figures_text_alternative_says_what_its_panels_show():
     for ax in cells.flat:
         ax.imshow(np.eye(2))
     assert viz.alt_text(grid) == "8 panels: (1) digit: an image; (2-8) images."
+    rows_only, axes = plt.subplots(2, 3)                  # labels on the first column only: the rest are plots
+    for k, ax in enumerate(axes.flat):
+        ax.plot([0, 1])
+    axes[0, 0].set_ylabel("row 1")
+    axes[1, 0].set_ylabel(r"$\Vert V \Vert$")
+    assert viz.alt_text(rows_only) == "6 panels: (1) row 1; (2-3) plots; (4) ‖ V ‖; (5-6) plots."
     many, rows = plt.subplots(1, 9)
     for k, ax in enumerate(rows):
         ax.set_title(f"class {k}")

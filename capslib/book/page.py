@@ -54,7 +54,7 @@ def scale_note(chapter: str, profile: str | None = None) -> str:
         page = (f"The networks trained on this page are small runs on a CPU, at most {digits:,} training "
                 f"digits from a subset of MNIST that ships with the book, sized so that "
                 f"the whole page executes in a few minutes on a laptop. They show how each mechanism behaves; they "
-                f"are not meant to reach the papers' accuracies; where the text says `ci`, it means these runs.")
+                f"are not meant to reach the papers' accuracies; where the text says \u201cci\u201d, it means these runs.")
     else:
         page = ("The networks trained on this page ran at the book's larger profile, on the full MNIST "
                 "training set, with fewer epochs and seeds than the papers used.")

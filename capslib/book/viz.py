@@ -203,12 +203,14 @@ _TEX_WORDS = {
     "Gamma": "Γ", "Delta": "Δ", "Theta": "Θ", "Lambda": "Λ", "Sigma": "Σ", "Phi": "Φ", "Psi": "Ψ", "Omega": "Ω",
     "sum": "Σ", "prod": "Π", "cdot": "·", "times": "×", "le": "≤", "leq": "≤", "ge": "≥", "geq": "≥",
     "neq": "≠", "ne": "≠", "approx": "≈", "to": "→", "rightarrow": "→", "leftarrow": "←", "infty": "∞",
-    "pm": "±", "partial": "∂", "nabla": "∇", "in": "∈", "|": "‖", "%": "%", "log": "log", "ln": "ln",
+    "pm": "±", "partial": "∂", "nabla": "∇", "in": "∈", "|": "‖", "Vert": "‖", "vert": "|", "%": "%", "log": "log",
+    "ln": "ln",
     "exp": "exp", "max": "max", "min": "min", "arg": "arg", "operatorname": "", "mathrm": "", "mathbf": "",
     "mathit": "", "boldsymbol": "", "mathcal": "", "text": "", "textrm": "", "left": "", "right": "", "big": "",
     "Big": "", "bigl": "", "bigr": "", ",": " ", ";": " ", "!": "", "quad": " ", "qquad": " ",
 }
 _TEX_ACCENTS = {"hat": "\u0302", "bar": "\u0304", "tilde": "\u0303", "vec": "\u20d7", "dot": "\u0307"}
+_PLURAL = {"an image": "images", "a plot": "plots"}
 _TEX_COMMAND = re.compile(r"\\([A-Za-z]+|[|%,;!])")
 
 
@@ -261,6 +263,8 @@ def alt_text(fig, max_panels: int = 6) -> str:
             parts.append(y or x)
         elif ax.images:
             parts.append("an image")
+        elif not head and (ax.lines or ax.patches or ax.collections):
+            parts.append("a plot")                    # a panel that shares its neighbours' labels
         if not (head or parts):
             continue
         panels.append(f"{head}: {'; '.join(parts)}" if head and parts else head or parts[0])
@@ -276,7 +280,7 @@ def alt_text(fig, max_panels: int = 6) -> str:
                 runs[-1][1] = k
             else:
                 runs.append([k, k, p])
-        shown = "; ".join(f"({a}) {p}" if a == b else f"({a}-{b}) {'images' if p == 'an image' else p}"
+        shown = "; ".join(f"({a}) {p}" if a == b else f"({a}-{b}) {_PLURAL.get(p, p)}"
                           for a, b, p in runs[:max_panels])
         rest = runs[max_panels:]
         more = f"; and panels {rest[0][0]}-{rest[-1][1]}" if rest else ""

@@ -116,3 +116,12 @@ def test_lint_rules(text, hits):
 ])
 def test_ticket_rule(text, bad):
     assert bool(_TICKET.search(text)) is bad
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
+def test_code_comments_cite_equations_by_the_numbers_the_page_shows(path):
+    """A reader sees equation numbers, (5.3), never the labels they are made from (ch5-mu): a comment in a
+    code cell that cites an equation cites its number."""
+    found = [f"cell {i}: {m.group(0)!r}" for i, kind, src in _cells(path) if kind == "code"
+             for m in re.finditer(r"Eq\.? *\(ch\d+-[a-z0-9-]+\)", src)]
+    assert not found, f"{path.name}: equations cited by internal label in code: " + ", ".join(found)

@@ -244,7 +244,7 @@ def alt_text(fig, max_panels: int = 6) -> str:
     colour bars' labels, a panel of an image without axis labels as an image; consecutive panels that read
     alike are said once with their range, and after ``max_panels`` such groups only the range of the rest. A
     figure whose panels say nothing of themselves (a diagram) is read by the words placed on it."""
-    title = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) is not None else ""
+    title = fig.get_suptitle()
     panels, bars = [], []
     for ax in fig.axes:
         if not ax.get_visible():
@@ -289,7 +289,7 @@ def alt_text(fig, max_panels: int = 6) -> str:
         words.append("Colour scale: " + "; ".join(dict.fromkeys(bars)) + ".")
     if not panels:                                  # a diagram: the words placed on it
         placed = [plain_text(t.get_text()) for t in [*fig.texts, *(t for ax in fig.axes for t in ax.texts)]
-                  if t.get_visible() and t.get_text().strip() and t is not getattr(fig, "_suptitle", None)]
+                  if t.get_visible() and t.get_text().strip() and t.get_text() != title]
         if placed:
             words.append("A diagram labelled: " + "; ".join(dict.fromkeys(placed)) + ".")
     return " ".join(words) or "A figure without titles or axis labels."

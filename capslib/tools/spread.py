@@ -19,6 +19,11 @@ run records its processor (:func:`cpu_name`): processors can differ in the last 
 computation, and a training carries such a difference to another outcome, so runs of the same
 seed on two processors are two measurements, both kept. Runs measured before processors were
 recorded (2026-11-23) have none.
+
+A run belongs to one version of its chapter: the chapter's code cells (``source``) and the library code
+it computes with (``library``, :func:`library_digest`). Measuring a chapter drops its runs of any other
+version; a change that cannot move a measured value is declared with ``--restamp WHY --from-rev REV``
+(``tests/test_spread_restamp.py`` fails while a run of the committed file belongs to another version).
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell
             log.unlink(missing_ok=True)
             env["CAPSBOOK_CLAIMS_LOG"] = str(log)
             digest = source_digest(nb)   # the code about to run, read now: the file may be edited while a spread runs
+            library = library_digest()
             for attempt in (1, 2):  # a cell that times out (a lost kernel message) is executed once more
                 log.unlink(missing_ok=True)
                 t0 = time.perf_counter()
@@ -88,7 +94,8 @@ def _one_job(seed: int, threads: int, notebooks: list[Path], workdir: Path, cell
             if proc.returncode != 0:
                 lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
                 error = " | ".join(lines[-3:])[-600:]
-            out[nb.stem] = {"claims": read_log(log), "seconds": round(seconds, 1), "error": error, "source": digest}
+            out[nb.stem] = {"claims": read_log(log), "seconds": round(seconds, 1), "error": error, "source": digest,
+                            "library": library}
             print(f"{run_key(seed, threads)}: {nb.stem} {seconds:.0f} s"
                   + (f", {len(out[nb.stem]['claims'])} claims" if not error else f", ERROR {error}"), flush=True)
     finally:
@@ -104,6 +111,44 @@ def source_digest(nb_path: Path) -> str:
     from ..book.results import code_digest
 
     return code_digest(nb_path)
+
+
+def _is_library_source(rel: str) -> bool:
+    """Whether a path (relative to the repository root, with /) is library code a chapter computes with:
+    capslib's Python sources, but for its commands (``capslib/tools``), which run chapters and compute none
+    of their numbers."""
+    return rel.startswith("capslib/") and rel.endswith(".py") and not rel.startswith("capslib/tools/")
+
+
+def _digest_files(files: list[tuple[str, bytes]]) -> str:
+    h = hashlib.sha1()
+    for rel, body in sorted(files):
+        h.update(rel.encode() + b"\0" + body + b"\0")
+    return h.hexdigest()[:12]
+
+
+def library_digest(root: Path = ROOT) -> str:
+    """A digest of the library code the chapters compute with (see :func:`_is_library_source`): the other
+    half of the version a measurement belongs to. A library change can move a trained number as surely as
+    an edit to the chapter: on 2026-11-28 a new rounding order in dynamic routing moved the numbers of every
+    CapsNet chapter while their notebooks stayed as they were."""
+    files = [(p.relative_to(root).as_posix(), p.read_bytes()) for p in (root / "capslib").rglob("*.py")]
+    return _digest_files([(rel, body) for rel, body in files if _is_library_source(rel)])
+
+
+def library_digest_at(rev: str) -> str:
+    """:func:`library_digest` of the library as committed at git revision ``rev``."""
+    listing = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "--", "capslib"], cwd=ROOT,
+                             capture_output=True, text=True)
+    if listing.returncode != 0:
+        raise ValueError(f"restamp: git cannot list the library at {rev!r}")
+    files = []
+    for rel in (ln for ln in listing.stdout.splitlines() if _is_library_source(ln)):
+        body = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True)
+        if body.returncode != 0:
+            raise ValueError(f"restamp: git cannot show {rel} at {rev!r}")
+        files.append((rel, body.stdout))
+    return _digest_files(files)
 
 
 def notebook_claims(notebooks: list[Path] | None = None) -> dict[str, dict]:
@@ -196,8 +241,9 @@ def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: i
             path: Path = SPREAD_FILE, cell_timeout: int = CELL_TIMEOUT) -> dict:
     """Run every (seed, threads) job, merge the measurements into ``path`` and return the table
     (``cell_timeout``: seconds one cell may take, longer on a machine that other work shares). Each run
-    carries the digest of the code it executed, read just before it started; runs of a version other than
-    the chapter's code when the spread ends are dropped, with a line saying so for those of this spread."""
+    carries the digests of the code it executed (the chapter's and the library's), read just before it
+    started; runs of a version other than the chapter's code when the spread ends are dropped, with a line
+    saying so for those of this spread."""
     with tempfile.TemporaryDirectory(prefix="capsbook-spread-") as tmp:
         configs = [(s, t) for t in threads for s in seeds]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -210,19 +256,26 @@ def measure(seeds: list[int], threads: list[int], notebooks: list[Path], jobs: i
     runs = table.setdefault("runs", {})
     cpu = cpu_name()
     digests = {nb.stem: source_digest(nb) for nb in notebooks}   # the chapters' code now, after the runs
+    library = library_digest()
     for (seed, t), by_chapter in results:
         entry = runs.setdefault(run_key(seed, t, cpu), {"seed": seed, "threads": t, "cpu": cpu, "chapters": {}})
         for chapter, res in by_chapter.items():
             entry["chapters"][chapter] = dict(res, torch=torch.__version__, lock=_lock_digest(),
                                               measured=time.strftime("%Y-%m-%d %H:%M"), jobs=jobs)
             entry["chapters"][chapter].setdefault("source", digests[chapter])
+            entry["chapters"][chapter].setdefault("library", library)
             if entry["chapters"][chapter]["source"] != digests[chapter]:
                 print(f"{run_key(seed, t, cpu)}: {chapter} was edited after this run started; its values are "
                       "dropped: measure the chapter again", flush=True)
-    # values measured on another version of a chapter just re-measured would mix two experiments: drop them
+            elif entry["chapters"][chapter]["library"] != library:
+                print(f"{run_key(seed, t, cpu)}: the library changed after this run started; its values of "
+                      f"{chapter} are dropped: measure the chapter again", flush=True)
+    # values measured on another version of a chapter just re-measured (its code or the library's) would mix
+    # two experiments: drop them
     for key in list(runs):
         chs = runs[key]["chapters"]
-        for chapter in [c for c in chs if c in digests and chs[c].get("source") != digests[c]]:
+        for chapter in [c for c in chs if c in digests
+                        and (chs[c].get("source"), chs[c].get("library")) != (digests[c], library)]:
             del chs[chapter]
         if not chs:
             del runs[key]
@@ -269,30 +322,37 @@ def summarise(runs: dict) -> dict:
     return dict(sorted(by_claim.items()))
 
 
-def restamp(path: Path, notebooks: list[Path], why: str, previous: dict[str, str]) -> list[str]:
-    """Declare each chapter's current code the version its measurements belong to, after a change
-    that cannot move a measured value (a figure's size, say; the person restamping checks that,
-    e.g. by a re-execution whose glued numbers come out identical). Only runs measured on the
-    version named by ``previous`` (chapter -> digest, see :func:`digest_at`) move: each gets the
-    current digest, and the old one goes into its ``restamped`` list with ``why`` and the date, so
+def restamp(path: Path, notebooks: list[Path], why: str, previous: dict[str, str],
+            previous_library: str | None = None) -> list[str]:
+    """Declare each chapter's current code (its cells and the library's) the version its measurements
+    belong to, after a change that cannot move a measured value (a figure's size, say; the person
+    restamping checks that, e.g. by a re-execution whose glued numbers come out identical). Only runs
+    measured on the version named by ``previous`` (chapter -> digest, see :func:`digest_at`) and
+    ``previous_library`` (:func:`library_digest_at`; None: the library is the current one) move, or on
+    that chapter code with the current library, or the current chapter code with that library: each gets
+    the current digests, and the old ones go into its ``restamped`` list with ``why`` and the date, so
     the next ``measure`` of one thread count does not drop the other's runs as another experiment.
     Runs of any other version stay as they are. Returns one line per chapter."""
     if not why.strip():
         raise ValueError("restamp: why must say why the measurements still hold for the current code")
     table = json.loads(path.read_text())
     digests = {nb.stem: source_digest(nb) for nb in notebooks}
+    library = library_digest()
+    libraries = {library, previous_library or library}
     changed: dict[str, int] = {}
     others: dict[str, int] = {}
     for entry in table.get("runs", {}).values():
         for chapter, res in entry["chapters"].items():
-            if chapter not in digests or res.get("source") == digests[chapter]:
+            if chapter not in digests or (res.get("source"), res.get("library")) == (digests[chapter], library):
                 continue
-            if res.get("source") != previous.get(chapter):
+            if res.get("source") not in (previous.get(chapter), digests[chapter]) or res.get("library") not in libraries:
                 others[chapter] = others.get(chapter, 0) + 1
                 continue
-            res.setdefault("restamped", []).append(
-                {"from": res.get("source"), "on": time.strftime("%Y-%m-%d %H:%M"), "why": why.strip()})
-            res["source"] = digests[chapter]
+            stamp = {"from": res.get("source"), "on": time.strftime("%Y-%m-%d %H:%M"), "why": why.strip()}
+            if res.get("library") != library:
+                stamp["from_library"] = res.get("library")
+            res.setdefault("restamped", []).append(stamp)
+            res["source"], res["library"] = digests[chapter], library
             changed[chapter] = changed.get(chapter, 0) + 1
     if changed:
         _write(table, path)
@@ -372,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                      "(the revision their runs were measured on)")
         try:
             previous = {nb.stem: digest_at(args.from_rev, nb) for nb in notebooks}
-            lines = restamp(args.file, notebooks, args.restamp, previous)
+            lines = restamp(args.file, notebooks, args.restamp, previous, library_digest_at(args.from_rev))
         except ValueError as err:
             ap.error(str(err))
         print("\n".join(lines) or "nothing to restamp: every run already carries its chapter's current digest")

@@ -34,7 +34,7 @@ TEST_THREADS ?= 1
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: ta-export gpu-data units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce paper-scale smoke data assignments book-student student-check compare-student clean venv lock spread
+.PHONY: ta-export gpu-data peers units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce paper-scale smoke data assignments book-student student-check compare-student clean venv lock spread
 
 # The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
 # bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
@@ -159,6 +159,17 @@ data: $(STAMP)
 gpu-data: data
 	@mkdir -p .gpu/data/MNIST/raw; for f in data/MNIST/raw/*-ubyte; do gzip -9c $$f > .gpu/data/MNIST/raw/$$(basename $$f).gz; done
 	@du -sh .gpu/data
+
+# the two public implementations issue 30's speed targets are stated against, exported (never committed) into
+# .gpu/peers from the git mirrors a session's fetch tool makes (github:XifengGuo/CapsNet-Pytorch,
+# github:yl-1993/Matrix-Capsules-EM-PyTorch); python -m capslib.tools.side_by_side times them against capslib
+PEERS_MIRROR ?= /work/.mirror
+peers:
+	@for r in XifengGuo+CapsNet-Pytorch yl-1993+Matrix-Capsules-EM-PyTorch; do \
+	  g=$(PEERS_MIRROR)/$$r/repo/.git; name=$${r#*+}; \
+	  if [ ! -d $$g ]; then echo "no mirror $$g: fetch github:$${r%%+*}/$$name first"; exit 1; fi; \
+	  rm -rf .gpu/peers/$$name && mkdir -p .gpu/peers/$$name && git --git-dir=$$g archive HEAD | tar -x -C .gpu/peers/$$name && \
+	  echo "$$name at $$(git --git-dir=$$g rev-parse --short HEAD) -> .gpu/peers/$$name"; done
 
 # every experiment unit: missing / done / stale, projected minutes on one H100
 units: $(STAMP)

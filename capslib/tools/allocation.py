@@ -1,10 +1,13 @@
 """``python -m capslib.tools.allocation``: a short GPU allocation as one command, and its results brought home.
 
-    run --seconds S --out DIR [--jobs N] [--check-seconds C] [--only KEY ...] [--smoke]
+    run --seconds S --out DIR [--jobs N] [--check-seconds C] [--peers P] [--peers-seconds T] [--only KEY ...] [--smoke]
         on the lent machine, from the repository root. First the fast check of the graphed training step
         (``python -m capslib.tools.bench fast-check``), given at most C seconds (0: skipped); if it fails or
-        runs out of time, the units train on the static step (``CAPSBOOK_NO_GRAPH=1``). Then
-        ``experiments run`` on what is left of the S seconds, less the time kept for packing. Last, the
+        runs out of time, the units train on the static step (``CAPSBOOK_NO_GRAPH=1``). Then, where P
+        (default ``.gpu/peers``, ``make peers``) holds the two public implementations, capslib's steps timed
+        against theirs (``python -m capslib.tools.side_by_side``; at most T seconds, 0: skipped; its report
+        beside the fast check's). Then ``experiments run`` on what is left of the S seconds, less the time
+        kept for packing. Last, the
         unit results, the bench reports and the units' logs are packed into DIR/results.tgz, with
         DIR/summary.txt (what ran, each step's seconds and exit status): a lent machine hands back a
         few files, not a tree of them. S is the wall time of the whole command, so give the device call
@@ -31,6 +34,7 @@ from ..book import units as U
 from .experiments import LOG_DIR
 
 PACK_SECONDS = 20.0          # kept back from the budget for packing and the summary
+SIDE_BY_SIDE = "side_by_side.json"   # capslib.tools.side_by_side's report, beside the fast check's
 ARCHIVE = "results.tgz"
 
 
@@ -104,6 +108,14 @@ def _run(args) -> int:
                  min(args.check_seconds, args.seconds - PACK_SECONDS), env, lines):
             env["CAPSBOOK_NO_GRAPH"] = "1"
             lines.append("the units train on the static step (CAPSBOOK_NO_GRAPH=1)")
+    peers = Path(args.peers)
+    if args.peers_seconds > 0 and peers.is_dir():   # issue 30's table: capslib beside the public implementations
+        report = out / SIDE_BY_SIDE if args.smoke else U.FAST_CHECK_FILE.parent / SIDE_BY_SIDE
+        _step("side by side", [sys.executable, "-m", "capslib.tools.side_by_side", "--peers", str(peers),
+                               "--out", str(report)],
+              min(args.peers_seconds, args.seconds - PACK_SECONDS - (time.time() - t0)), env, lines)
+    elif args.peers_seconds > 0:
+        lines.append(f"side by side: skipped, no {peers} (make peers)")
     budget = args.seconds - PACK_SECONDS - (time.time() - t0)
     rc = 1
     if budget > 10:
@@ -140,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True, help="folder the lent machine hands back ($OUT)")
     r.add_argument("--jobs", type=int, default=2)
     r.add_argument("--check-seconds", type=float, default=150.0, help="time for the fast check (0: skip it)")
+    r.add_argument("--peers", default=".gpu/peers", help="the public implementations' trees (make peers)")
+    r.add_argument("--peers-seconds", type=float, default=90.0,
+                   help="time for timing capslib against them, when PEERS exists (0: skip it)")
     r.add_argument("--only", nargs="*", help="unit keys or key prefixes")
     r.add_argument("--smoke", action="store_true", help="tiny sizes, results under full-smoke/ (rehearsal)")
     u = sub.add_parser("unpack", help="an allocation's results.tgz into the repository")

@@ -34,7 +34,7 @@ TEST_THREADS ?= 1
 SEEDS ?= 0 1 2 3 4
 CHAPTERS ?=
 
-.PHONY: ta-export gpu-data peers units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce paper-scale smoke data assignments book-student student-check compare-student clean venv lock spread
+.PHONY: ta-export gpu-data peers gpu-prep units bench bundle test-bundle book publish test test-browser checks unit notebooks build-strict reproduce paper-scale smoke data assignments book-student student-check compare-student clean venv lock spread
 
 # The lock is installed with uv (about 10 s here against about 170 s for pip: parallel unpacking, no
 # bytecode compiled ahead); uv does not read pip's configuration, so pip's find-links folders (this
@@ -170,6 +170,14 @@ peers:
 	  if [ ! -d $$g ]; then echo "no mirror $$g: fetch github:$${r%%+*}/$$name first"; exit 1; fi; \
 	  rm -rf .gpu/peers/$$name && mkdir -p .gpu/peers/$$name && git --git-dir=$$g archive HEAD | tar -x -C .gpu/peers/$$name && \
 	  echo "$$name at $$(git --git-dir=$$g rev-parse --short HEAD) -> .gpu/peers/$$name"; done
+
+# before a GPU allocation: the data and the peers into .gpu/ (what the device call carries), then the
+# allocation's command rehearsed here at smoke sizes (its report in _build/alloc-rehearsal/summary.txt)
+gpu-prep: gpu-data
+	@$(MAKE) --no-print-directory peers || echo "no peers: the allocation will skip the side-by-side timing"
+	@mkdir -p _build; $(PY) -m capslib.tools.allocation run --seconds 120 --out _build/alloc-rehearsal --smoke > _build/alloc-rehearsal.log 2>&1 || true
+	@head -5 _build/alloc-rehearsal/summary.txt
+	@! grep -E "^(fast check|side by side): exit [^0]" _build/alloc-rehearsal/summary.txt
 
 # every experiment unit: missing / done / stale, projected minutes on one H100
 units: $(STAMP)

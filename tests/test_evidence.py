@@ -237,7 +237,7 @@ def test_equivalence_reads_a_paired_difference_against_a_declared_margin():
     assert Equivalence(summarise([0.01, -0.01, 0.0]), 0.05).phrase().endswith("(higher in 1 and lower in 1 of 3 seeds)")
     # and as a sentence in the caller's words
     assert Equivalence(tight, 0.002).verdict("A ahead", "B ahead") == \
-        "B ahead, by more than the margin of ±0.2% (so in 3 of 3 seeds, the other way in 0)"
+        "B ahead, by more than the margin of ±0.2% (B ahead in 3 of 3 seeds, A ahead in 0)"
     assert straddles.verdict("A ahead", "B ahead", fmt=".2f").startswith(
         "B ahead; whether by more than the margin of ±0.25, these seeds cannot say")
     assert e.verdict("A", "B") == "equivalent within the margin of ±1.0% (A in 0 of 3 seeds, B in 3)"

@@ -344,8 +344,8 @@ class Equivalence:
         n = self.d.n
         if self.kind == "equivalent" or self.kind == "unsettled" or self.d.mean == 0:
             return f"{said} ({ahead} in {pos} of {n} seeds, {behind} in {neg})"
-        agree, other = (pos, neg) if self.d.mean > 0 else (neg, pos)
-        return f"{said} (so in {agree} of {n} seeds, the other way in {other})"
+        (named, agree), (unnamed, other) = ((ahead, pos), (behind, neg)) if self.d.mean > 0 else ((behind, neg), (ahead, pos))
+        return f"{said} ({named} in {agree} of {n} seeds, {unnamed} in {other})"
 
     def clause(self, who: str, ref: str, fmt: str = ".3f", ref_words: str | None = None) -> str:
         """``who`` against ``ref`` in words (``ref_words`` in the sentence if given), with the numbers

@@ -46,7 +46,8 @@ def _loss(model, x, y):
     return capsnet_loss(out, x, y, recon_weight=5e-4), out.lengths
 
 
-def _sizes(cuda: bool) -> dict:
+def capsnet_sizes(cuda: bool) -> dict:
+    """Chapter 2's paper-size CapsNet (its ``full`` sizes) on CUDA; tiny stand-in sizes without it."""
     if not cuda:
         return dict(conv_channels=8, primary_types=2, primary_dim=4, digit_dim=4, decoder=(16, 32), iterations=3)
     from ..book import profiles
@@ -168,7 +169,7 @@ def speed(device, sizes: dict, batch: int, steps_per_epoch: int, amp: bool, fast
 def fast_check(steps: int | None = None, device=None) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    sizes = _sizes(cuda)
+    sizes = capsnet_sizes(cuda)
     batch = 128 if cuda else 8
     per_epoch = steps or (300 if cuda else 6)
     name = torch.cuda.get_device_name(device) if cuda else "CPU"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -45,6 +46,7 @@ from ..em import spread_loss
 from ..em_layers import EMCapsNet
 from ..engine import steps
 from ..models import CapsNet, capsnet_loss
+from .fast_check import capsnet_sizes
 
 PEERS = {"capsnet": "CapsNet-Pytorch", "em": "Matrix-Capsules-EM-PyTorch"}
 TARGETS = {"capsnet": 5.0, "em": 15.0}      # issue 30: capslib's fast step against the peer, images/s
@@ -63,15 +65,15 @@ def _peers_on(peers: Path, cuda: bool):
     missing = [PEERS[k] for k in PEERS if not (peers / PEERS[k]).is_dir()]
     if missing:
         raise FileNotFoundError(f"{peers}: no {', '.join(missing)} here (make peers exports them)")
-    saved_path, saved_mods = list(sys.path), dict(sys.modules)
+    saved_path, before = list(sys.path), set(sys.modules)
+    stubbed = False
     saved = (torch.Tensor.cuda, torch.nn.Module.cuda, getattr(torch.cuda, "FloatTensor", None))
     sys.path[:0] = [str(peers / PEERS["capsnet"]), str(peers / PEERS["em"])]
-    try:
-        import torchvision  # noqa: F401  (only whether it is installed)
-    except ImportError:
+    if importlib.util.find_spec("torchvision") is None:
         stub = types.ModuleType("torchvision")
         stub.transforms = stub.datasets = None
         sys.modules["torchvision"] = stub
+        stubbed = True
     if not cuda:
         torch.Tensor.cuda = lambda self, *a, **k: self
         torch.nn.Module.cuda = lambda self, *a, **k: self
@@ -80,23 +82,17 @@ def _peers_on(peers: Path, cuda: bool):
         yield
     finally:
         sys.path[:] = saved_path
-        for name in set(sys.modules) - set(saved_mods):
-            del sys.modules[name]
+        root = str(peers.resolve())
+        for name in set(sys.modules) - before:   # the peers' modules only (torch's own, imported meanwhile, stay)
+            where = getattr(sys.modules[name], "__file__", None) or ""
+            if str(Path(where).resolve()).startswith(root) or (stubbed and name == "torchvision"):
+                del sys.modules[name]
         torch.Tensor.cuda, torch.nn.Module.cuda = saved[0], saved[1]
         if saved[2] is None:
             with contextlib.suppress(AttributeError):
                 del torch.cuda.FloatTensor
         else:
             torch.cuda.FloatTensor = saved[2]
-
-
-def _capsnet_sizes(cuda: bool) -> dict:
-    if not cuda:
-        return dict(conv_channels=8, primary_types=2, primary_dim=8, digit_dim=16, decoder=(16, 32), iterations=3)
-    from ..book import profiles
-    s = profiles.settings("02_dynamic_routing", "full")
-    return dict(conv_channels=s.conv_channels, primary_types=s.primary_types, primary_dim=s.primary_dim,
-                digit_dim=s.digit_dim, decoder=s.decoder, iterations=s.iterations)
 
 
 def _capsnet_loss(model, x, y):
@@ -160,7 +156,7 @@ def measure(peers: Path, rounds: int = 8, device: torch.device | None = None) ->
     with _peers_on(peers, cuda):
         (peer_caps, peer_caps_loss), (peer_em, peer_em_loss) = _peer_models(cuda, SIZES["em"][cuda].get("width", 32))
         builders = {
-            "capsnet": (peer_caps, peer_caps_loss, lambda: CapsNet(**_capsnet_sizes(cuda)), _capsnet_loss),
+            "capsnet": (peer_caps, peer_caps_loss, lambda: CapsNet(**capsnet_sizes(cuda)), _capsnet_loss),
             "em": (peer_em, peer_em_loss, lambda: EMCapsNet(A=SIZES["em"][cuda]["width"], B=SIZES["em"][cuda]["width"],
                                                             C=SIZES["em"][cuda]["width"], D=SIZES["em"][cuda]["width"],
                                                             classes=10, iterations=3), _em_loss)}

@@ -33,7 +33,8 @@ import torch
 from .. import train
 from ..engine import steps
 from ..data import Split
-from ..models import CapsNet, capsnet_loss
+from ..book.ch02 import capsnet_step
+from ..models import CapsNet
 
 COMPARE = 20          # steps compared between the graph and the eager step
 GRAPH_RTOL = 1e-4     # graph vs the same optimizer run eagerly: the same kernels, so only rounding noise
@@ -41,9 +42,7 @@ FUSED_RTOL = 1e-3     # vs fit's plain Adam: fused rounding differs per update a
 FULL_EPOCH, FULL_VAL = 55_000, 5_000
 
 
-def _loss(model, x, y):
-    out = model(x, y)
-    return capsnet_loss(out, x, y, recon_weight=5e-4), out.lengths
+capsnet_step_loss = capsnet_step(5e-4)    # margin loss plus the paper's reconstruction weight; returns (loss, lengths)
 
 
 def capsnet_sizes(cuda: bool) -> dict:
@@ -73,7 +72,7 @@ def _losses(model, optimizer, batches, runner_kind: str, backend=None) -> tuple[
     sums = steps.StepSums(batches[0][0].device)
 
     def step(x, y):
-        return steps.train_step(model, _loss, optimizer, x, y, sums)
+        return steps.train_step(model, capsnet_step_loss, optimizer, x, y, sums)
     runner = steps.GraphedSteps(step, backend, optimizer) if runner_kind == "graphed" else steps.EagerSteps(step)
     out = []
     for x, y in batches:
@@ -128,7 +127,7 @@ def raw_steps(device, sizes: dict, batch: int, n: int) -> dict:
             opt = steps.adam(model.parameters(), 1e-3, device, steps.Plan("graph", "graphed", backend=backend))
 
         def step(xb, yb, model=model, opt=opt, sums=sums):
-            return steps.train_step(model, _loss, opt, xb, yb, sums)
+            return steps.train_step(model, capsnet_step_loss, opt, xb, yb, sums)
         runner = steps.EagerSteps(step, "eager") if kind == "eager" else steps.GraphedSteps(step, backend, opt)
         for _ in range(10):
             runner(x, y)
@@ -151,7 +150,7 @@ def speed(device, sizes: dict, batch: int, steps_per_epoch: int, amp: bool, fast
     val = Split(torch.rand(FULL_VAL if device.type == "cuda" else 64, 1, 28, 28, device=device, generator=g),
                 torch.randint(0, 10, (FULL_VAL if device.type == "cuda" else 64,), device=device, generator=g))
     model = _model(sizes, device)
-    h = train.fit(model, tr, _loss, epochs=2, batch_size=batch, lr=1e-3, lr_decay=0.96, amp=amp, fast=fast,
+    h = train.fit(model, tr, capsnet_step_loss, epochs=2, batch_size=batch, lr=1e-3, lr_decay=0.96, amp=amp, fast=fast,
                   progress=False, seed=0)
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -45,8 +45,8 @@ from ..book.timing import interleaved_seconds
 from ..em import spread_loss
 from ..em_layers import EMCapsNet
 from ..engine import steps
-from ..models import CapsNet, capsnet_loss
-from .fast_check import capsnet_sizes
+from ..models import CapsNet
+from .fast_check import capsnet_sizes, capsnet_step_loss
 
 PEERS = {"capsnet": "CapsNet-Pytorch", "em": "Matrix-Capsules-EM-PyTorch"}
 TARGETS = {"capsnet": 5.0, "em": 15.0}      # issue 30: capslib's fast step against the peer, images/s
@@ -95,11 +95,6 @@ def _peers_on(peers: Path, cuda: bool):
             torch.cuda.FloatTensor = saved[2]
 
 
-def _capsnet_loss(model, x, y):
-    out = model(x, y)
-    return capsnet_loss(out, x, y, recon_weight=5e-4), out.lengths
-
-
 def _em_loss(model, x, y):
     a = model(x).activations
     return spread_loss(a.float(), y, SPREAD_MARGIN), a
@@ -127,7 +122,7 @@ def _case(model: torch.nn.Module, loss_fn, batch: tuple, n: int, device, kind: s
     return call, runner
 
 
-def _peer_models(cuda: bool, em_width: int):
+def _peer_models(em_width: int):
     from capsulenet import CapsuleNet, caps_loss          # XifengGuo/CapsNet-Pytorch
     from model.capsules import CapsNet as PeerEM           # yl-1993/Matrix-Capsules-EM-PyTorch
 
@@ -154,12 +149,12 @@ def measure(peers: Path, rounds: int = 8, device: torch.device | None = None) ->
               "torch": torch.__version__, "rounds": rounds, "measured": time.strftime("%Y-%m-%d %H:%M"),
               "groups": {}}
     with _peers_on(peers, cuda):
-        (peer_caps, peer_caps_loss), (peer_em, peer_em_loss) = _peer_models(cuda, SIZES["em"][cuda].get("width", 32))
+        width = SIZES["em"][cuda]["width"]
+        (peer_caps, peer_caps_loss), (peer_em, peer_em_loss) = _peer_models(width)
         builders = {
-            "capsnet": (peer_caps, peer_caps_loss, lambda: CapsNet(**capsnet_sizes(cuda)), _capsnet_loss),
-            "em": (peer_em, peer_em_loss, lambda: EMCapsNet(A=SIZES["em"][cuda]["width"], B=SIZES["em"][cuda]["width"],
-                                                            C=SIZES["em"][cuda]["width"], D=SIZES["em"][cuda]["width"],
-                                                            classes=10, iterations=3), _em_loss)}
+            "capsnet": (peer_caps, peer_caps_loss, lambda: CapsNet(**capsnet_sizes(cuda)), capsnet_step_loss),
+            "em": (peer_em, peer_em_loss,
+                   lambda: EMCapsNet(A=width, B=width, C=width, D=width, classes=10, iterations=3), _em_loss)}
         for group, (peer, peer_loss, build, loss_fn) in builders.items():
             size = SIZES[group][cuda]
             g = torch.Generator().manual_seed(3)
@@ -171,7 +166,8 @@ def measure(peers: Path, rounds: int = 8, device: torch.device | None = None) ->
                 models[kind] = build().to(device)
             cases = {kind: _case(m, peer_loss if kind == "peer" else loss_fn, batch, size["steps"], device, kind)
                      for kind, m in models.items()}
-            secs = interleaved_seconds({k: c[0] for k, c in cases.items()}, rounds=rounds, device=device if cuda else None)
+            secs = interleaved_seconds({k: c[0] for k, c in cases.items()}, rounds=rounds,
+                                       device=device if cuda else None)
             images = size["batch"] * size["steps"]
             rows = {}
             for kind, s in secs.items():

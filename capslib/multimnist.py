@@ -147,9 +147,11 @@ def top2_pairs(lengths: torch.Tensor) -> torch.Tensor:
     return CLASSES * top.min(dim=1).values + top.max(dim=1).values
 
 
-def _unordered(y: torch.Tensor) -> torch.Tensor:
+def both_right(lengths: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per image ``(B,)`` bool: its two longest class capsules (``lengths (B, classes)``) are exactly its two
+    classes (pair codes ``y (B,)``), in either order."""
     ab = labels(y)
-    return CLASSES * ab.min(dim=1).values + ab.max(dim=1).values
+    return top2_pairs(lengths) == CLASSES * ab.min(dim=1).values + ab.max(dim=1).values
 
 
 def loss(model, x: torch.Tensor, y: torch.Tensor, recon_weight: float = 0.0005):
@@ -169,7 +171,7 @@ def loss(model, x: torch.Tensor, y: torch.Tensor, recon_weight: float = 0.0005):
             rec = model.decode(v, ab[:, k])
             total = total + recon_weight * ((rec.float() - x[:, 1 + k:2 + k].float()) ** 2).flatten(1).sum(1).mean()
     pred = top2_pairs(lengths.detach())
-    right = pred == _unordered(y)
+    right = both_right(lengths.detach(), y)
     code = torch.where(right, y, pred)
     scores = torch.nn.functional.one_hot(code, CLASSES * CLASSES).to(lengths.dtype)
     return total, scores
@@ -185,7 +187,7 @@ def accuracy(model, split: Split, batch_size: int = 500) -> float:
         for i in range(0, len(split), batch_size):
             xb, yb = split.x[i:i + batch_size], split.y[i:i + batch_size]
             v, _ = model.encode(overlay(xb))
-            right += int((top2_pairs(v.norm(dim=-1)) == _unordered(yb)).sum())
+            right += int(both_right(v.norm(dim=-1), yb).sum())
     finally:
         model.train(was)
     return right / len(split)

@@ -63,6 +63,8 @@ def test_top2_accuracy_and_the_training_scores_count_both_labels():
     y = torch.tensor([10 * 1 + 0, 10 * 0 + 1])            # image 1 right in either order, image 2 wrong
     pred = multimnist.top2_pairs(lengths)
     assert pred.tolist() == [1, 2]
+    assert multimnist.both_right(lengths, y).tolist() == [True, False]
+    assert multimnist.both_right(lengths, torch.tensor([10 * 0 + 1, 10 * 2 + 0])).tolist() == [True, True]
     torch.manual_seed(0)
     net = models.CapsNet(image_size=36, conv_channels=4, primary_types=2, primary_dim=4, digit_dim=4, decoder=(8,))
     s = multimnist.generate(data.embedded_mnist()["train"].subset(100), 8, seed=0)

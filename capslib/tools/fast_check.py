@@ -109,6 +109,26 @@ def agreement(device, sizes: dict, batch: int, n: int = COMPARE) -> dict:
     return res
 
 
+def step_runner(model, loss_fn, device, kind: str, log=print):
+    """A runner of :mod:`capslib.engine.steps` for training ``model`` on ``loss_fn``: ``kind`` "eager" (plain
+    Adam, the step run as written) or "graphed" (fused capturable Adam, the whole step captured in a CUDA graph,
+    or eagerly replayed graphs without CUDA); ``log`` receives the graphed runner's lines."""
+    sums = steps.StepSums(device)
+    if kind == "eager":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    elif kind == "graphed":
+        backend = steps.CudaGraphs(device) if device.type == "cuda" else steps.EagerGraphs()
+        opt = steps.adam(model.parameters(), 1e-3, device, steps.Plan("graph", "graphed", backend=backend))
+    else:
+        raise ValueError(f"step_runner: kind must be 'eager' or 'graphed'; got {kind!r}")
+
+    def step(xb, yb):
+        return steps.train_step(model, loss_fn, opt, xb, yb, sums)
+    if kind == "eager":
+        return steps.EagerSteps(step, "eager")
+    return steps.GraphedSteps(step, backend, opt, log=log)
+
+
 def raw_steps(device, sizes: dict, batch: int, n: int) -> dict:
     """Images/s of ``n`` training steps on one fixed batch: the eager step with plain Adam, and the
     graphed step with fused capturable Adam (after 10 steps of warm-up, capture included)."""
@@ -118,17 +138,7 @@ def raw_steps(device, sizes: dict, batch: int, n: int) -> dict:
     y = torch.randint(0, 10, (batch,), device=device, generator=g)
     out = {"batch": batch, "steps": n}
     for kind in ("eager", "graphed"):
-        model = _model(sizes, device)
-        sums = steps.StepSums(device)
-        if kind == "eager":
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        else:
-            backend = steps.CudaGraphs(device) if cuda else steps.EagerGraphs()
-            opt = steps.adam(model.parameters(), 1e-3, device, steps.Plan("graph", "graphed", backend=backend))
-
-        def step(xb, yb, model=model, opt=opt, sums=sums):
-            return steps.train_step(model, capsnet_step_loss, opt, xb, yb, sums)
-        runner = steps.EagerSteps(step, "eager") if kind == "eager" else steps.GraphedSteps(step, backend, opt)
+        runner = step_runner(_model(sizes, device), capsnet_step_loss, device, kind)
         for _ in range(10):
             runner(x, y)
         if cuda:

@@ -44,9 +44,8 @@ import torch.nn.functional as F
 from ..book.timing import interleaved_seconds
 from ..em import spread_loss
 from ..em_layers import EMCapsNet
-from ..engine import steps
 from ..models import CapsNet
-from .fast_check import capsnet_sizes, capsnet_step_loss
+from .fast_check import capsnet_sizes, capsnet_step_loss, step_runner
 
 PEERS = {"capsnet": "CapsNet-Pytorch", "em": "Matrix-Capsules-EM-PyTorch"}
 TARGETS = {"capsnet": 5.0, "em": 15.0}      # issue 30: capslib's fast step against the peer, images/s
@@ -101,20 +100,10 @@ def _em_loss(model, x, y):
 
 
 def _case(model: torch.nn.Module, loss_fn, batch: tuple, n: int, device, kind: str):
-    """A callable of ``n`` training steps on ``batch`` and what it reports: ``kind`` is "peer" or "eager"
-    (plain Adam, eager) or "fast" (fused capturable Adam, the step captured in a CUDA graph)."""
+    """A callable of ``n`` training steps on ``batch`` and its runner: ``kind`` is "peer" or "eager" (plain
+    Adam, eager) or "fast" (fused capturable Adam, the step captured in a CUDA graph)."""
     x, y = batch
-    sums = steps.StepSums(device)
-    if kind == "fast":
-        backend = steps.CudaGraphs(device) if device.type == "cuda" else steps.EagerGraphs()
-        opt = steps.adam(model.parameters(), 1e-3, device, steps.Plan("graph", "graphed", backend=backend))
-    else:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def step(xb, yb):
-        return steps.train_step(model, loss_fn, opt, xb, yb, sums)
-    runner = steps.GraphedSteps(step, backend, opt, log=lambda line: None) if kind == "fast" \
-        else steps.EagerSteps(step, "eager")
+    runner = step_runner(model, loss_fn, device, "graphed" if kind == "fast" else "eager", log=lambda line: None)
 
     def call():
         for _ in range(n):

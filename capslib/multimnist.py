@@ -104,27 +104,30 @@ class PairShift:
 
 
 @torch.no_grad()
-def segmentation(model, split: Split, batch_size: int = 500) -> float:
-    """The share of digits whose reconstruction from their own class capsule is nearer (squared error)
-    to that digit alone than to the other digit of the pair: about 1/2 when the decoder draws the same
-    blend for both classes, 1 when it separates every pair (Sabour et al.'s Fig. 5, as one number)."""
-    was = model.training
+def reconstruction_distances(model, split: Split, batch_size: int = 500) -> tuple[torch.Tensor, ...]:
+    """Each digit of each pair (first digits, then second, batch by batch) rebuilt from its own class capsule:
+    squared error to itself, to the other digit of its pair, and its own sum of squares (three ``(2 N,)``)."""
+    was, own, other, energy = model.training, [], [], []
     model.eval()
-    nearer, total = 0, 0
     try:
         for i in range(0, len(split), batch_size):
             xb, yb = split.x[i:i + batch_size], split.y[i:i + batch_size]
             v, _ = model.encode(overlay(xb))
-            ab = labels(yb)
-            for k in range(2):
-                rec = model.decode(v, ab[:, k]).reshape(len(xb), 1, *xb.shape[-2:]).float()
-                own = ((rec - xb[:, 1 + k:2 + k].float()) ** 2).flatten(1).sum(1)
-                other = ((rec - xb[:, 2 - k:3 - k].float()) ** 2).flatten(1).sum(1)
-                nearer += int((own < other).sum())
-                total += len(xb)
+            for k, label in enumerate(labels(yb).T):
+                rec = model.decode(v, label).reshape(len(xb), 1, *xb.shape[-2:]).float()
+                mine, theirs = xb[:, 1 + k:2 + k].float(), xb[:, 2 - k:3 - k].float()
+                for out, d in ((own, rec - mine), (other, rec - theirs), (energy, mine)):
+                    out.append((d ** 2).flatten(1).sum(1))
     finally:
         model.train(was)
-    return nearer / total
+    return torch.cat(own), torch.cat(other), torch.cat(energy)
+
+
+def segmentation(model, split: Split, batch_size: int = 500) -> float:
+    """The share of digits rebuilt nearer (squared error) to themselves than to the other digit of their pair: about
+    1/2 when the decoder draws one blend for both classes, 1 when it separates every pair (Sabour's Fig. 5 as a number)."""
+    own, other, _ = reconstruction_distances(model, split, batch_size)
+    return float((own < other).double().mean())
 
 
 def labels(y: torch.Tensor) -> torch.Tensor:
@@ -161,8 +164,7 @@ def loss(model, x: torch.Tensor, y: torch.Tensor, recon_weight: float = 0.0005):
     the two longest capsules are the image's two classes (in either order) and on the predicted
     pair's code otherwise, so that ``fit``'s training accuracy (``scores.argmax == y``) is the
     fraction of images with both labels right."""
-    inp = overlay(x)
-    v, _ = model.encode(inp)
+    v, _ = model.encode(overlay(x))
     lengths = v.norm(dim=-1)
     ab = labels(y)
     total = margin_loss(lengths.float(), ab)
@@ -170,9 +172,7 @@ def loss(model, x: torch.Tensor, y: torch.Tensor, recon_weight: float = 0.0005):
         for k in range(2):
             rec = model.decode(v, ab[:, k])
             total = total + recon_weight * ((rec.float() - x[:, 1 + k:2 + k].float()) ** 2).flatten(1).sum(1).mean()
-    pred = top2_pairs(lengths.detach())
-    right = both_right(lengths.detach(), y)
-    code = torch.where(right, y, pred)
+    code = torch.where(both_right(lengths.detach(), y), y, top2_pairs(lengths.detach()))
     scores = torch.nn.functional.one_hot(code, CLASSES * CLASSES).to(lengths.dtype)
     return total, scores
 

@@ -131,6 +131,30 @@ def test_segmentation_counts_reconstructions_nearer_their_own_digit():
     assert scores == {"own": 1.0, "other": 0.0}
 
 
+def test_reconstruction_error_is_zero_for_exact_drawings_and_one_for_empty_ones():
+    from capslib.book import ch02
+    source = data.load("embedded")["test"]
+    pairs = multimnist.generate(source, 40, seed=1)
+    exact = _Decoder(pairs, "own")
+    assert ch02.reconstruction_error(exact, pairs, batch_size=len(pairs)) == 0.0
+
+    class Empty(_Decoder):
+        def decode(self, v, label):
+            return torch.zeros_like(super().decode(v, label))
+
+    assert ch02.reconstruction_error(Empty(pairs, "own"), pairs, batch_size=len(pairs)) == pytest.approx(1.0)
+    # the other digit drawn instead: the error is the two digits' squared difference over the own digit's energy
+    own, other, energy = multimnist.reconstruction_distances(_Decoder(pairs, "other"), pairs, batch_size=len(pairs))
+    a, b = pairs.x[:, 1].flatten(1), pairs.x[:, 2].flatten(1)
+    assert torch.allclose(own, torch.cat([((b - a) ** 2).sum(1), ((a - b) ** 2).sum(1)]))
+    assert torch.equal(other, torch.zeros_like(other))
+    assert torch.allclose(energy, torch.cat([(a ** 2).sum(1), (b ** 2).sum(1)]))
+    blank = multimnist.generate(source, 4, seed=2)
+    blank.x[:, 2] = 0
+    with pytest.raises(ValueError, match="no ink"):
+        ch02.reconstruction_error(_Decoder(blank, "own"), blank, batch_size=len(blank))
+
+
 def test_half_scale_digits_keep_their_ink_and_fit_the_half_scale_canvas(source):
     """Chapter 2's ci MultiMNIST: digits averaged down by 2 (each pixel the mean of a 2x2 block), pairs of them on
     an 18x18 canvas with shifts of up to 2 px, the paper's geometry at half scale."""

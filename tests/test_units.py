@@ -401,7 +401,7 @@ def test_multimnist_unit_smoke_writes_what_its_figure_needs(tmp_path, monkeypatc
     m, a = res["metrics"], res["arrays"]
     assert m["train_pairs"] == ch02.MULTIMNIST_SMOKE["pairs"] and m["test_pairs"] == ch02.MULTIMNIST_SMOKE["test_pairs"]
     assert 0 <= m["test_accuracy"] <= 1 and m["test_error"] == pytest.approx(1 - m["test_accuracy"])
-    assert 0 <= m["segmentation"] <= 1
+    assert 0 <= m["segmentation"] <= 1 and m["reconstruction_error"] > 0
     k = ch02.MULTIMNIST["shown_pairs"]
     S = multimnist.SIZE
     assert U.decode_array(a["shown_input"]).shape == (k, S, S)
@@ -409,11 +409,11 @@ def test_multimnist_unit_smoke_writes_what_its_figure_needs(tmp_path, monkeypatc
     # the input is the pixelwise maximum of the two digits it shows
     x, d = U.decode_array(a["shown_input"]), U.decode_array(a["shown_digits"])
     assert np.array_equal(x, d.max(axis=1))
-    assert "test pairs" in ch02.multimnist_summary([res]) and ch02.multimnist_summary([]).startswith("no ")
+    assert "test pairs" in ch02.multimnist_summary([res]) and "sum of squared pixels" in ch02.multimnist_summary([res]) and ch02.multimnist_summary([]).startswith("no ")
     assert U.paper_scale_cell("sabour_multimnist_error", smoke=True) == f"{m['test_error']:.1%} (1 of 3 seeds)"
     import matplotlib.pyplot as plt
     fig = ch02.draw_multimnist(res)
-    assert len(fig.axes) == 3 * k
+    assert len(fig.axes) == 4 * k      # input, the two digits, each digit's reconstruction in a row of its own
     plt.close(fig)
 
 

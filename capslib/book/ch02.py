@@ -154,7 +154,7 @@ def _capsnet_arrays(net: models.CapsNet, test: data.Split, n_couplings: int) -> 
     """Coupling statistics on test digits, reconstructions, the perturbation grid, misclassified digits."""
     net.eval()
     metrics, arrays = {}, {}
-    x, y = test.x[:n_couplings], test.y[:n_couplings]
+    x = test.x[:n_couplings]
     out = net(x)
     c = out.couplings.float()                                   # (B, I, J)
     J = c.shape[-1]
@@ -339,6 +339,7 @@ def run_multimnist(unit: Unit, device: torch.device, smoke: bool) -> dict:
                         fast=_fast_path())
     acc = multimnist.accuracy(net, test_pairs, batch_size=cfg["eval_batch"])
     seg = multimnist.segmentation(net, test_pairs, batch_size=cfg["eval_batch"])
+    rec_err = reconstruction_error(net, test_pairs, batch_size=cfg["eval_batch"])
     k = min(cfg["shown_pairs"], len(test_pairs))
     with torch.no_grad():
         net.eval()
@@ -347,7 +348,8 @@ def run_multimnist(unit: Unit, device: torch.device, smoke: bool) -> dict:
         ab = multimnist.labels(ys)
         recs = torch.stack([net.decode(v, ab[:, j])[:, 0] for j in range(2)], dim=1)   # (k, 2, S, S)
         top2 = v.norm(dim=-1).topk(2, dim=1).indices
-    metrics = {"test_accuracy": acc, "test_error": 1 - acc, "segmentation": seg, "test_pairs": len(test_pairs),
+    metrics = {"test_accuracy": acc, "test_error": 1 - acc, "segmentation": seg,
+               "reconstruction_error": rec_err, "test_pairs": len(test_pairs),
                "train_pairs": len(pairs), "epochs": epochs, "pair_presentations": epochs * len(pairs),
                "params": models.count_parameters(net),
                "images_per_s_median": float(np.median(history["images_per_s"])),
@@ -553,11 +555,23 @@ def multimnist_summary(results: list) -> str:
     m = [r["metrics"] for r in results]
     err = float(np.mean([x["test_error"] for x in m]))
     seg = float(np.mean([x["segmentation"] for x in m]))
+    rec = [x["reconstruction_error"] for x in m if "reconstruction_error" in x]
     n = len(m)
     return (f"after {m[0]['pair_presentations']:,} pair presentations the paper's network gets at least one of the two "
             f"digits wrong on {err:.2%} of {m[0]['test_pairs']:,} test pairs ({'one seed' if n == 1 else f'mean of {n} seeds'}; "
             f"the paper: {paper.text('sabour_multimnist_error')} after far longer training), and the reconstruction "
-            f"from a digit's own capsule is nearer to that digit than to the other one for {seg:.1%} of the digits")
+            f"from a digit's own capsule is nearer to that digit than to the other one for {seg:.1%} of the digits"
+            + (f", with a squared error of {np.mean(rec):.0%} of the digit's own sum of squared pixels" if rec else ""))
+
+
+def reconstruction_error(model, split: data.Split, batch_size: int = 500) -> float:
+    """MultiMNIST's segmentation drawings, how blurred: the mean over every digit of every pair of its reconstruction's
+    squared error over its own sum of squared pixels (:func:`capslib.multimnist.reconstruction_distances`): 0 for
+    exact drawings, 1 for empty ones."""
+    own, _, energy = multimnist.reconstruction_distances(model, split, batch_size)
+    if bool((energy <= 0).any()):
+        raise ValueError("a digit of the split has no ink: its reconstruction error has no scale")
+    return float((own / energy).double().mean())
 
 
 def downsample(split: data.Split, factor: int) -> data.Split:
@@ -574,8 +588,9 @@ def downsample(split: data.Split, factor: int) -> data.Split:
 
 
 def draw_pairs(inputs, digits, reconstructions, labels, top2, title: str):
-    """MultiMNIST pairs as Sabour's Fig. 5 draws them: each pair's input (top), its two digits (middle: the
-    first red, the second green) and the two reconstructions, each from its own class capsule (bottom);
+    """MultiMNIST pairs as Sabour's Fig. 5 draws them: each pair's input (top), its two digits (the first red,
+    the second green) and the two reconstructions, each from its own class capsule, one row each (the first's in
+    red, the second's in green, so that neither hides the other where they overlap);
     headed "labels → two longest capsules". Arrays in [0, 1]: ``inputs (k, S, S)``, ``digits`` and
     ``reconstructions (k, 2, S, S)``; ``labels`` and ``top2 (k, 2)``."""
     import matplotlib.pyplot as plt
@@ -584,16 +599,18 @@ def draw_pairs(inputs, digits, reconstructions, labels, top2, title: str):
         return np.stack([pair[0], pair[1], np.zeros_like(pair[0])], axis=-1).clip(0, 1)
 
     k = len(inputs)
-    fig, axes = plt.subplots(3, k, figsize=(1.15 * k, 4.3), squeeze=False)
+    fig, axes = plt.subplots(4, k, figsize=(1.15 * k, 5.6), squeeze=False)
     for i in range(k):
         axes[0, i].imshow(inputs[i], cmap="gray", vmin=0, vmax=1)
         axes[0, i].set_title(f"{labels[i][0]}+{labels[i][1]} → {top2[i][0]},{top2[i][1]}", fontsize=10)
         axes[1, i].imshow(rgb(digits[i]))
-        axes[2, i].imshow(rgb(reconstructions[i]))
+        none = np.zeros_like(reconstructions[i][0])
+        axes[2, i].imshow(rgb([reconstructions[i][0], none]))
+        axes[3, i].imshow(rgb([none, reconstructions[i][1]]))
     for ax in axes.flat:
         ax.set_xticks([])
         ax.set_yticks([])
-    for row, name in enumerate(["input", "the two digits", "reconstructed"]):
+    for row, name in enumerate(["input", "the two\ndigits", "first\nrebuilt", "second\nrebuilt"]):
         axes[row, 0].set_ylabel(name, fontsize=10)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()

@@ -194,17 +194,17 @@ def second_term_ratio(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int
 
 def per_vote_comparison(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3,
                         logit_scale: float = 1.0) -> dict:
-    """Per vote ``(b, i, m)``: the coupling ``c_im``, ``||second|| / ||full||`` and the cosine
-    between the full and the detached gradient (Gu & Tresp Eq. 4-5; chapter 4).
-
-    Returns a dict of flat tensors ``c``, ``ratio``, ``cosine`` of length ``B * I * J``.
-    """
+    """Per vote ``(b, i, m)``: the coupling ``c_im``, ``||second|| / ||full||`` and the cosine between the full and the
+    detached gradient (Gu & Tresp Eq. 4-5; chapter 4), as flat tensors ``c``, ``ratio``, ``cosine`` of ``B * I * J``."""
     direct, through = gradient_terms(u_hat, grad_v, iterations, logit_scale)
     _, c = scaled_routing(u_hat.detach(), iterations, logit_scale)
-    full = direct + through
-    fn = full.norm(dim=-1)
-    ratio = through.norm(dim=-1) / fn.clamp_min(1e-30)
-    cos = (full * direct).sum(-1) / (fn * direct.norm(dim=-1)).clamp_min(1e-30)
+    full, tiny = direct + through, torch.finfo(direct.dtype).tiny
+    # every vector divided by its largest entry before a norm: where c_im << 1e-3 the direct term is too small to square
+    scale = torch.maximum(full.abs().amax(-1), through.abs().amax(-1)).clamp_min(tiny)[..., None]
+    ratio = (through / scale).norm(dim=-1) / (full / scale).norm(dim=-1).clamp_min(tiny)
+    unit = [torch.nn.functional.normalize(v / v.abs().amax(-1, keepdim=True).clamp_min(tiny), dim=-1)
+            for v in (full, direct)]
+    cos = (unit[0] * unit[1]).sum(-1)
     return {"c": c.flatten(), "ratio": ratio.flatten(), "cosine": cos.flatten()}
 
 

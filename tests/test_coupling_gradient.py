@@ -48,6 +48,23 @@ def test_one_iteration_has_no_second_term():
     assert cg.second_term_ratio(u, gv, 1) == 0.0
 
 
+def test_per_vote_comparison_does_not_depend_on_the_gradient_scale():
+    """The ratio and cosine of each vote are scale-free: a loss gradient 1e-160 times as large (the direct terms of
+    sharply routed votes reach such sizes) gives the same numbers, not cosines clamped towards 0."""
+    u, gv = _votes(J=5, seed=3)
+    for lam in (1.0, 4.0):
+        assert float(cg.gradient_terms(u, gv, 3, lam)[0].norm(dim=-1).min()) > 1e-100   # nothing underflows at 1e-160
+        a, b = cg.per_vote_comparison(u, gv, 3, lam), cg.per_vote_comparison(u, 1e-160 * gv, 3, lam)
+        for key in ("ratio", "cosine"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-9, atol=1e-12)
+        direct, through = cg.gradient_terms(u, gv, 3, lam)
+        full = direct + through
+        cos = torch.nn.functional.cosine_similarity(full, direct, dim=-1, eps=1e-300).flatten()
+        big = direct.norm(dim=-1).flatten() > 1e-100        # where the plain formula is safe
+        torch.testing.assert_close(a["cosine"][big], cos[big], rtol=1e-9, atol=1e-12)
+        assert bool(((a["cosine"] >= -1 - 1e-12) & (a["cosine"] <= 1 + 1e-12)).all())
+
+
 def test_second_term_vanishes_when_couplings_saturate():
     u, gv = _votes(J=5, seed=3)
     assert cg.second_term_ratio(u, gv, 3, 1.0) > 0.05

@@ -18,7 +18,7 @@ def test_scale_note_counts_the_chapters_paper_scale_results(tmp_path, monkeypatc
     monkeypatch.setattr(U, "RESULTS_ROOT", tmp_path)
     empty = page.scale_note("02", profile="ci")
     assert "none of them has been made yet" in empty and "will show" in empty
-    assert "full MNIST" in page.scale_note("05", profile="full")
+    assert "MNIST's training digits less a validation set" in page.scale_note("05", profile="full")
     assert "trains no network" in page.scale_note("01")
 
 

@@ -56,8 +56,8 @@ def scale_note(chapter: str, profile: str | None = None) -> str:
                 f"the whole page executes in a few minutes on a laptop. They show how each mechanism behaves; they "
                 f"are not meant to reach the papers' accuracies; where the text says \u201cci\u201d, it means these runs.")
     else:
-        page = ("The networks trained on this page ran at the book's larger profile, on the full MNIST "
-                "training set, with fewer epochs and seeds than the papers used.")
+        page = ("The networks trained on this page ran at the book's larger profile, on MNIST's training digits "
+                "less a validation set, with fewer epochs and seeds than the papers used.")
     done, total, kinds = _made(chapter)
     section = f"the section \u201c{PAPER_SCALE_SECTION}\u201d"
     if done == 0:
@@ -66,8 +66,8 @@ def scale_note(chapter: str, profile: str | None = None) -> str:
         made = f"all {total} have" if done == total else f"{done} of the {total} {'has' if done == 1 else 'have'}"
         where = " on a " + kinds.pop() if len(kinds) == 1 else " on GPUs and CPUs"
         runs = f"{made} been made{where}, and {section} shows what {'it' if done == 1 else 'they'} found"
-    return (f"{page} The paper-scale trainings are longer runs on the full training set, whose results are "
-            f"stored with the book: the book plans {total} for this chapter; {runs}.")
+    return (f"{page} The paper-scale trainings are longer runs on MNIST's training digits less a validation set, whose "
+            f"results are stored with the book: the book plans {total} for this chapter; {runs}.")
 
 
 def glue_scale(chapter: str) -> str:

@@ -621,12 +621,14 @@ _register_units()
 
 
 def _declare_paper_scale() -> None:
-    """The row of the chapter's comparison table that the main units measure (no paper number: the slides
+    """The rows of the chapter's comparison table that the main units measure (no paper number: the slides
     report none)."""
     from .units import paper_scale
 
     paper_scale(f"MNIST test accuracy, M = {UNIT_MAIN_ROUTES}", f"03/routes/M{UNIT_MAIN_ROUTES}",
                 lambda m: m["test_accuracy"], ".4f", row=True)
+    paper_scale("route mixing: I(route; class)", f"03/routes/M{UNIT_MAIN_ROUTES}",
+                lambda m: m["test_mixing"]["mutual_information_bits"], ".3f", row=True)
 
 
 _declare_paper_scale()

@@ -133,7 +133,7 @@ def test_chapter5_views_from_a_smoke_result(smoke_root, monkeypatch):
         f"{m['test_error']:.2%} (1 of 3 seeds)"
     assert U.paper_scale_cell("—", smoke=True, quantity="affNIST-style test error, 3 iterations") == \
         f"{1 - m['transfer']['affine_40']:.1%} (1 of 3 seeds)"
-    assert U.paper_scale_cell("—", smoke=True, quantity="MNIST test error, 2 iteration(s)") == "not yet run"
+    assert U.paper_scale_cell("—", smoke=True, quantity="MNIST test error, iteration comparison, T = 2") == "not yet run"
 
 
 def test_chapter7_views_from_a_smoke_result(smoke_root, monkeypatch):

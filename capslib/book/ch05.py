@@ -519,8 +519,8 @@ def _declare_paper_scale() -> None:
     paper_scale("affNIST-style test error, 3 iterations", "05/main", lambda m: 1 - m["transfer"]["affine_40"], ".1%",
                 row=True)
     for T in UNIT_ITERATIONS:
-        paper_scale(f"MNIST test error, {T} iteration(s)", f"05/iterations/constant/T{T}", lambda m: m["test_error"],
-                    ".2%", row=True)
+        paper_scale(f"MNIST test error, iteration comparison, T = {T}", f"05/iterations/constant/T{T}",
+                    lambda m: m["test_error"], ".2%", row=True)
     far = VIEWPOINT_ANGLES[-1]
     paper_scale(f"digits turned {far}° (never seen), error: EM / matched CNN", "05/main",
                 lambda m: 1 - m["viewpoint"][str(far)], ".1%", row=True, what="EM")

@@ -409,7 +409,9 @@ def test_multimnist_unit_smoke_writes_what_its_figure_needs(tmp_path, monkeypatc
     # the input is the pixelwise maximum of the two digits it shows
     x, d = U.decode_array(a["shown_input"]), U.decode_array(a["shown_digits"])
     assert np.array_equal(x, d.max(axis=1))
-    assert "test pairs" in ch02.multimnist_summary([res]) and "sum of squared pixels" in ch02.multimnist_summary([res]) and ch02.multimnist_summary([]).startswith("no ")
+    summary = ch02.multimnist_summary([res])
+    assert "test pairs" in summary and "sum of squared pixels" in summary
+    assert ch02.multimnist_summary([]).startswith("no ")
     assert U.paper_scale_cell("sabour_multimnist_error", smoke=True) == f"{m['test_error']:.1%} (1 of 3 seeds)"
     import matplotlib.pyplot as plt
     fig = ch02.draw_multimnist(res)

@@ -555,13 +555,13 @@ def multimnist_summary(results: list) -> str:
     m = [r["metrics"] for r in results]
     err = float(np.mean([x["test_error"] for x in m]))
     seg = float(np.mean([x["segmentation"] for x in m]))
-    rec = [x["reconstruction_error"] for x in m if "reconstruction_error" in x]
+    rec = float(np.mean([x["reconstruction_error"] for x in m]))
     n = len(m)
     return (f"after {m[0]['pair_presentations']:,} pair presentations the paper's network gets at least one of the two "
             f"digits wrong on {err:.2%} of {m[0]['test_pairs']:,} test pairs ({'one seed' if n == 1 else f'mean of {n} seeds'}; "
             f"the paper: {paper.text('sabour_multimnist_error')} after far longer training), and the reconstruction "
-            f"from a digit's own capsule is nearer to that digit than to the other one for {seg:.1%} of the digits"
-            + (f", with a squared error of {np.mean(rec):.0%} of the digit's own sum of squared pixels" if rec else ""))
+            f"from a digit's own capsule is nearer to that digit than to the other one for {seg:.1%} of the digits, "
+            f"with a squared error of {rec:.0%} of the digit's own sum of squared pixels")
 
 
 def reconstruction_error(model, split: data.Split, batch_size: int = 500) -> float:

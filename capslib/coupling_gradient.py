@@ -192,6 +192,14 @@ def second_term_ratio(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int
     return float(through.norm() / (direct + through).norm().clamp_min(1e-30))
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine along the last axis, each vector divided by its largest entry before any norm (a direct term of a vote
+    with c_im << 1e-3 is too small to square), so that tiny vectors keep their exact cosine; 0 for a zero vector."""
+    tiny = torch.finfo(a.dtype).tiny
+    a, b = (torch.nn.functional.normalize(v / v.abs().amax(-1, keepdim=True).clamp_min(tiny), dim=-1) for v in (a, b))
+    return (a * b).sum(-1)
+
+
 def per_vote_comparison(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3,
                         logit_scale: float = 1.0) -> dict:
     """Per vote ``(b, i, m)``: the coupling ``c_im``, ``||second|| / ||full||`` and the cosine between the full and the
@@ -199,13 +207,9 @@ def per_vote_comparison(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: i
     direct, through = gradient_terms(u_hat, grad_v, iterations, logit_scale)
     _, c = scaled_routing(u_hat.detach(), iterations, logit_scale)
     full, tiny = direct + through, torch.finfo(direct.dtype).tiny
-    # every vector divided by its largest entry before a norm: where c_im << 1e-3 the direct term is too small to square
-    scale = torch.maximum(full.abs().amax(-1), through.abs().amax(-1)).clamp_min(tiny)[..., None]
+    scale = torch.maximum(full.abs().amax(-1), through.abs().amax(-1)).clamp_min(tiny)[..., None]   # as in _cosine
     ratio = (through / scale).norm(dim=-1) / (full / scale).norm(dim=-1).clamp_min(tiny)
-    unit = [torch.nn.functional.normalize(v / v.abs().amax(-1, keepdim=True).clamp_min(tiny), dim=-1)
-            for v in (full, direct)]
-    cos = (unit[0] * unit[1]).sum(-1)
-    return {"c": c.flatten(), "ratio": ratio.flatten(), "cosine": cos.flatten()}
+    return {"c": c.flatten(), "ratio": ratio.flatten(), "cosine": _cosine(full, direct).flatten()}
 
 
 # ----------------------------------------------------------------------------- polarization
@@ -233,14 +237,10 @@ def polarization(c: torch.Tensor, high: float = 0.9, low: float = 0.1) -> dict:
 
 
 def vote_gains(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, logit_scale: float = 1.0) -> dict:
-    """How the full gradient of each vote relates to its detached one (Gu & Tresp Eq. 5; chapter 4).
-
-    Eq. 5 writes the full gradient as ``C`` times the detached one. Per vote ``(b, i, m)`` with
-    a non-zero detached (direct) term this returns ``gain = (full . direct) / ||direct||^2``
-    (the ``C`` that vote would need), ``norm_ratio = ||full|| / ||direct||`` and the ``cosine``;
-    plus ``c`` (its coupling) and ``has_direct`` (a bool mask over all ``B * I * J`` votes; the
-    other tensors hold only the votes where it is True, in the same flat order).
-    """
+    """How the full gradient of each vote relates to its detached one (Gu & Tresp Eq. 5, full = C x detached;
+    chapter 4): per vote ``(b, i, m)`` with a non-zero detached (direct) term, ``gain = (full . direct) / ||direct||^2``
+    (the ``C`` it would need), ``norm_ratio = ||full|| / ||direct||``, the ``cosine`` and ``c`` (its coupling), with
+    ``has_direct`` (a bool mask over all ``B * I * J`` votes; the others hold only its True votes, in flat order)."""
     direct, through = gradient_terms(u_hat, grad_v, iterations, logit_scale)
     _, c = scaled_routing(u_hat.detach(), iterations, logit_scale)
     full = (direct + through).flatten(0, 2)
@@ -250,7 +250,7 @@ def vote_gains(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, l
     full, d, dn = full[has], d[has], dn[has]
     fn = full.norm(dim=-1)
     return {"has_direct": has, "c": c.flatten()[has], "gain": (full * d).sum(-1) / dn ** 2,
-            "norm_ratio": fn / dn, "cosine": (full * d).sum(-1) / (fn * dn).clamp_min(1e-300)}
+            "norm_ratio": fn / dn, "cosine": _cosine(full, d)}
 
 
 # ----------------------------------------------------------------------------- routing, every tensor named (Appx. C)

@@ -63,6 +63,8 @@ def test_per_vote_comparison_does_not_depend_on_the_gradient_scale():
         big = direct.norm(dim=-1).flatten() > 1e-100        # where the plain formula is safe
         torch.testing.assert_close(a["cosine"][big], cos[big], rtol=1e-9, atol=1e-12)
         assert bool(((a["cosine"] >= -1 - 1e-12) & (a["cosine"] <= 1 + 1e-12)).all())
+        g = cg.vote_gains(u, 1e-160 * gv, 3, lam)          # the same cosine, vote by vote, at the tiny scale
+        torch.testing.assert_close(g["cosine"], a["cosine"][g["has_direct"]], rtol=1e-9, atol=1e-12)
 
 
 def test_second_term_vanishes_when_couplings_saturate():

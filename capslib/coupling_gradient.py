@@ -245,12 +245,11 @@ def vote_gains(u_hat: torch.Tensor, grad_v: torch.Tensor, iterations: int = 3, l
     _, c = scaled_routing(u_hat.detach(), iterations, logit_scale)
     full = (direct + through).flatten(0, 2)
     d = direct.flatten(0, 2)
+    has = d.abs().amax(-1) > 0    # both divided by d's largest entry: no tiny term is squared
+    full, d = (v[has] / d[has].abs().amax(-1, keepdim=True) for v in (full, d))
     dn = d.norm(dim=-1)
-    has = dn > 0
-    full, d, dn = full[has], d[has], dn[has]
-    fn = full.norm(dim=-1)
     return {"has_direct": has, "c": c.flatten()[has], "gain": (full * d).sum(-1) / dn ** 2,
-            "norm_ratio": fn / dn, "cosine": _cosine(full, d)}
+            "norm_ratio": full.norm(dim=-1) / dn, "cosine": _cosine(full, d)}
 
 
 # ----------------------------------------------------------------------------- routing, every tensor named (Appx. C)

@@ -65,6 +65,10 @@ def test_per_vote_comparison_does_not_depend_on_the_gradient_scale():
         assert bool(((a["cosine"] >= -1 - 1e-12) & (a["cosine"] <= 1 + 1e-12)).all())
         g = cg.vote_gains(u, 1e-160 * gv, 3, lam)          # the same cosine, vote by vote, at the tiny scale
         torch.testing.assert_close(g["cosine"], a["cosine"][g["has_direct"]], rtol=1e-9, atol=1e-12)
+        g1 = cg.vote_gains(u, gv, 3, lam)                    # and the same gain and norm ratio (both scale-free)
+        for key in ("gain", "norm_ratio"):
+            assert bool(torch.isfinite(g[key]).all())
+            torch.testing.assert_close(g[key], g1[key], rtol=1e-9, atol=1e-12)
 
 
 def test_second_term_vanishes_when_couplings_saturate():

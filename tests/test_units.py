@@ -493,3 +493,25 @@ def test_seed_spread_signs_the_mean_of_a_difference_not_its_spread():
     assert seed_spread([0.001, 0.002, -0.001], "+.4f") == "+0.0007 ± 0.0015"
     assert seed_spread([0.00001], "+.3f") == "0.000" and seed_spread([], "+.3f") == "not yet run"
     assert seed_spread([0.1, 0.2], ".2f") == "0.15 ± 0.07"
+
+
+def test_a_paired_paper_scale_cell_subtracts_the_baseline_seed_by_seed():
+    """Chapter 3's row "M routes minus a single route" at paper scale: each seed's M-route accuracy minus the
+    single route's of the same seed, from the committed results, not the difference of two means of other seeds."""
+    import json
+
+    from capslib.book import ch03
+
+    row = "test accuracy of M routes minus a single route's"
+    ps = U.PAPER_SCALE[row]
+    assert ps.baseline == "03/routes/M1" and ps.prefix == f"03/routes/M{ch03.UNIT_MAIN_ROUTES}"
+    acc = {}
+    for prefix in (ps.prefix, ps.baseline):
+        for f in sorted((U.RESULTS_ROOT / "full" / prefix).glob("s*.json")):
+            r = json.loads(f.read_text())
+            acc[prefix, r["seed"]] = r["metrics"]["test_accuracy"]
+    seeds = sorted(s for p, s in acc if p == ps.prefix and (ps.baseline, s) in acc)
+    assert len(seeds) >= 2, "the committed results hold no pair to compare"
+    d = [acc[ps.prefix, s] - acc[ps.baseline, s] for s in seeds]
+    cell = U.paper_scale_cell(None, quantity=row)
+    assert cell.startswith(f"M = {ch03.UNIT_MAIN_ROUTES}, paired: {U.seed_spread(d, '+.4f')} (")

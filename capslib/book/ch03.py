@@ -627,6 +627,9 @@ def _declare_paper_scale() -> None:
 
     paper_scale(f"MNIST test accuracy, M = {UNIT_MAIN_ROUTES}", f"03/routes/M{UNIT_MAIN_ROUTES}",
                 lambda m: m["test_accuracy"], ".4f", row=True)
+    paper_scale("test accuracy of M routes minus a single route's", f"03/routes/M{UNIT_MAIN_ROUTES}",
+                lambda m: m["test_accuracy"], "+.4f", row=True, what=f"M = {UNIT_MAIN_ROUTES}, paired:",
+                baseline="03/routes/M1")
     paper_scale("route mixing: I(route; class)", f"03/routes/M{UNIT_MAIN_ROUTES}",
                 lambda m: m["test_mixing"]["mutual_information_bits"], ".3f", row=True)
 

@@ -480,6 +480,7 @@ class PaperScale:
     metric: Callable[[dict], float]
     fmt: str
     what: str = ""
+    baseline: str | None = None    # units whose value, seed by seed, is subtracted (a paired difference)
 
 
 # paper key (book/paper_results.yml) or, for a row with no paper number, the row's quantity as the chapter's
@@ -488,11 +489,12 @@ PAPER_SCALE: dict[str, PaperScale] = {}
 
 
 def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str, row: bool = False,
-                what: str = "") -> None:
+                what: str = "", baseline: str | None = None) -> None:
     """Declare that the units under ``prefix`` measure the paper's number ``key`` (with ``row``: the
     quantity of a comparison row that has no paper number, named exactly as the chapter's table names it):
     the comparison tables of the chapters (:func:`capslib.book.results.paper_vs_book`) then show it in
-    their paper-scale column, after ``what`` where the row holds several numbers."""
+    their paper-scale column, after ``what`` where the row holds several numbers. With ``baseline`` (another
+    prefix) the cell is a paired difference: each seed's value minus the baseline unit's of the same seed."""
     from . import paper
 
     if not row and not paper.is_key(key):
@@ -503,7 +505,7 @@ def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str
         raise ValueError(f"paper_scale: {key!r} is declared twice")
     if not callable(metric) or not isinstance(fmt, str):
         raise ValueError("paper_scale: metric must be callable and fmt a format string")
-    PAPER_SCALE[key] = PaperScale(prefix, metric, fmt, what)
+    PAPER_SCALE[key] = PaperScale(prefix, metric, fmt, what, baseline)
 
 
 def paper_scale_cell(key, smoke: bool = False, quantity: str | None = None) -> str | None:
@@ -520,6 +522,9 @@ def paper_scale_cell(key, smoke: bool = False, quantity: str | None = None) -> s
     g = group(ps.prefix, ps.prefix, smoke)
     declared = len(g.results) + len(g.missing) + len(g.stale)
     values = [float(ps.metric(r["metrics"])) for r in g.results]
+    if ps.baseline is not None:    # paired by seed, over the seeds both sides have
+        base = {r["seed"]: float(ps.metric(r["metrics"])) for r in group(ps.baseline, ps.baseline, smoke).results}
+        values = [v - base[r["seed"]] for v, r in zip(values, g.results) if r["seed"] in base]
     if not values:
         return "not yet run"
     unit = ""

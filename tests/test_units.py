@@ -442,6 +442,9 @@ def test_comparison_tables_gain_a_paper_scale_column_from_the_committed_units(ma
         U.paper_scale("sabour_mnist_error", "02/main", lambda m: m["test_error"], ".2%")
     with pytest.raises(ValueError, match="quantity"):
         U.paper_scale("", "02/main", lambda m: m["test_error"], ".2%", row=True)
+    with pytest.raises(ValueError, match="baseline"):
+        U.paper_scale("a paired row", "02/main", lambda m: m["test_error"], ".2%", row=True, baseline="02/main")
+    assert "a paired row" not in U.PAPER_SCALE
     # every declared counterpart names units that exist
     for key, ps in U.PAPER_SCALE.items():
         assert U.select([ps.prefix]), key

@@ -505,6 +505,8 @@ def paper_scale(key: str, prefix: str, metric: Callable[[dict], float], fmt: str
         raise ValueError(f"paper_scale: {key!r} is declared twice")
     if not callable(metric) or not isinstance(fmt, str):
         raise ValueError("paper_scale: metric must be callable and fmt a format string")
+    if baseline is not None and (not isinstance(baseline, str) or baseline == prefix):
+        raise ValueError(f"paper_scale: baseline must be another prefix of units than {prefix!r}; got {baseline!r}")
     PAPER_SCALE[key] = PaperScale(prefix, metric, fmt, what, baseline)
 
 

@@ -4,8 +4,8 @@
 #                   strict book build, student edition check
 #   make test-browser  every page of the built book in headless Chromium at 1280 and 400 px (.ci/run)
 #   make reproduce  the full profile (GPU): re-execute the notebooks in place, refresh results, build
-#   make publish    re-execute the committed notebooks in place from scratch (no resumed checkpoints)
 #                   (CHAPTERS="02 04": only those chapters, no build)
+#   make publish    re-execute the committed notebooks in place from scratch (no resumed checkpoints)
 #   make bundle     dist/offline: wheels, full MNIST, the book and run.sh for a GPU node without internet
 #                   (PYTHON_VERSION=3.12 for the node's Python); make test-bundle installs and runs it here
 #   make bench      training speed of each chapter's full model on this machine (images/s, TFLOP/s)
@@ -109,7 +109,10 @@ test-browser: build-strict
 # time (trainings resume from their checkpoints); no CHAPTERS: every chapter, then the book.
 reproduce: $(STAMP)
 	@if [ -n "$(CHAPTERS)" ]; then $(PY) -m capslib.tools.reproduce --profile full $(CHAPTERS); \
-	  else $(PY) -m capslib.tools.reproduce --profile full all && $(MAKE) build-strict; fi
+	  else $(PY) -m capslib.tools.reproduce --profile full all; fi
+	@# the build on a line of its own: make runs a line that names $$(MAKE) even under -n, so a dry run of this
+	@# target must not share that line with the executions above
+	@if [ -z "$(CHAPTERS)" ]; then $(MAKE) --no-print-directory build-strict; fi
 
 # make paper-scale: after a GPU allocation committed new unit results (book/results/full/), the committed
 # notebooks' paper-scale cells executed again in place (nothing else is run); commit the notebooks

@@ -204,6 +204,9 @@ def test_multi_panel_figures_wrap_to_stay_legible_at_the_column_width():
     fig = viz.history_plot({"a": {"loss": [1.0, 0.5], "train_acc": [0.5, 0.6], "val_acc": [0.4, 0.5]}},
                            keys=("loss", "train_acc", "val_acc"))
     assert fig.get_size_inches()[0] * 100 <= 900 and sum(ax.get_visible() for ax in fig.axes) == 3
+    # the history's keys reach the reader in words, not as Python names
+    assert [ax.get_ylabel() for ax in fig.axes if ax.get_visible()] == ["training loss", "training accuracy",
+                                                                         "validation accuracy"]
     with pytest.raises(ValueError, match="per_row must be a positive integer"):
         viz.coupling_heatmaps([torch.rand(3, 2)], per_row=0)
     matplotlib.pyplot.close("all")

@@ -588,15 +588,15 @@ def downsample(split: data.Split, factor: int) -> data.Split:
 
 
 def draw_pairs(inputs, digits, reconstructions, labels, top2, title: str):
-    """MultiMNIST pairs as Sabour's Fig. 5 draws them: each pair's input (top), its two digits (the first red,
-    the second green) and the two reconstructions, each from its own class capsule, one row each (the first's in
-    red, the second's in green, so that neither hides the other where they overlap);
+    """MultiMNIST pairs as Sabour's Fig. 5 draws them: each pair's input (top), its two digits (the first magenta,
+    the second green, white where they overlap: a pair that red-green colour blindness leaves apart) and the two
+    reconstructions, each from its own class capsule, one row each (the first's in magenta, the second's in green);
     headed "labels → two longest capsules". Arrays in [0, 1]: ``inputs (k, S, S)``, ``digits`` and
     ``reconstructions (k, 2, S, S)``; ``labels`` and ``top2 (k, 2)``."""
     import matplotlib.pyplot as plt
 
     def rgb(pair):
-        return np.stack([pair[0], pair[1], np.zeros_like(pair[0])], axis=-1).clip(0, 1)
+        return np.stack([pair[0], pair[1], pair[0]], axis=-1).clip(0, 1)     # magenta (red + blue) and green
 
     k = len(inputs)
     fig, axes = plt.subplots(4, k, figsize=(1.15 * k, 5.6), squeeze=False)

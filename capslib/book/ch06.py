@@ -295,7 +295,7 @@ def parse_tree_graph(out: FCOutput, sample: int = 0, threshold: str | float = "u
 
 def draw_parse_tree(G, ax=None, title: str | None = None, cmap: str = "viridis"):
     """Draw a :func:`parse_tree_graph`: layers left to right, node colour = capsule length,
-    tree nodes outlined, edge width and opacity = coupling. Returns the Axes."""
+    tree nodes outlined in black, edge width = coupling. Returns the Axes."""
     import matplotlib.pyplot as plt
     import networkx as nx
 

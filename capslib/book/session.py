@@ -180,7 +180,7 @@ def setup(seed: int | None = None, device: str | torch.device | None = None, qui
     Call it in the first code cell of every chapter so the reader sees at which
     scale the outputs were produced. ``seed`` defaults to ``$CAPSBOOK_SEED`` or 0 (the
     spread runs, ``make spread``, execute the chapters under other seeds this way);
-    ``$CAPSBOOK_THREADS`` fixes torch's CPU thread count (``make test`` sets 2). On Linux it
+    ``$CAPSBOOK_THREADS`` fixes torch's CPU thread count (``make test`` sets 1). On Linux it
     also keeps freed memory for reuse (:func:`keep_freed_memory`).
     """
     profile = profiles.current()

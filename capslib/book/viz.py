@@ -170,8 +170,13 @@ def coupling_heatmaps(cs, title: str = "couplings c_ij", xlabel: str = "parent c
                         xlabel, ylabel, "coupling", vmax=1.0, per_row=per_row, suptitle=title)
 
 
+#: the words a reader sees beside a history's standard keys (a key not listed is shown as it is)
+HISTORY_LABELS = {"loss": "training loss", "train_acc": "training accuracy", "val_acc": "validation accuracy"}
+
+
 def history_plot(histories: dict, keys=("loss", "val_acc"), title: str | None = None):
-    """Curves per epoch for several runs: ``{run name: history}`` -> one panel per key."""
+    """Curves per epoch for several runs: ``{run name: history}`` -> one panel per key, labelled in words
+    (:data:`HISTORY_LABELS`)."""
     import math
 
     cols = min(2, len(keys))                     # two panels to a row: legible at the column width
@@ -184,7 +189,7 @@ def history_plot(histories: dict, keys=("loss", "val_acc"), title: str | None = 
             if key in h and len(h[key]):
                 ax.plot(np.arange(1, len(h[key]) + 1), h[key], marker="o", ms=3, label=name)
         ax.set_xlabel("epoch")
-        ax.set_ylabel(key.replace("_", " "))
+        ax.set_ylabel(HISTORY_LABELS.get(key, key.replace("_", " ")))
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     if title:

@@ -170,7 +170,7 @@ def coupling_heatmaps(cs, title: str = "couplings c_ij", xlabel: str = "parent c
                         xlabel, ylabel, "coupling", vmax=1.0, per_row=per_row, suptitle=title)
 
 
-#: the words a reader sees beside a history's standard keys (a key not listed is shown as it is)
+#: the words a reader sees beside a history's standard keys (any other key is shown with its underscores as spaces)
 HISTORY_LABELS = {"loss": "training loss", "train_acc": "training accuracy", "val_acc": "validation accuracy"}
 
 
